@@ -1,0 +1,22 @@
+"""torch_kernels: LLM serving and training kernels as ``torch.ops.torch_kernels.*`` ops.
+
+Every op runs on a pure-PyTorch reference anywhere, on Triton (NVIDIA), on Pallas through
+torchax (TPU) and on SYCL (Intel); see :mod:`torch_kernels.backends` for how a call picks one.
+Importing this package needs only torch and numpy; backends import their own dependencies on
+first use and report themselves unavailable, with the reason, when those are missing.
+"""
+
+from . import backends
+from .backends import available_backends, unavailable_reasons, use_backend
+from .ops.ood import mahalanobis_score
+from . import ood
+
+__all__ = [
+    "backends",
+    "available_backends",
+    "unavailable_reasons",
+    "use_backend",
+    "mahalanobis_score",
+    "ood",
+]
+__version__ = "0.1.0"

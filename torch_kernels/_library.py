@@ -1,0 +1,75 @@
+"""How every torch_kernels op is registered with the PyTorch dispatcher.
+
+Ops are declared with ``torch.library.Library.define`` and given one kernel per device dispatch
+key, rather than with ``torch.library.custom_op``: a call then costs about 1.4 us of dispatch
+instead of about 11 us, which matters for ops called several times per layer per decoded token.
+The autograd kernel is ours too (``torch.library.register_autograd`` adds about 6 us to every call,
+grad-free ones included): it goes straight to the device kernel unless a gradient is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LIB = torch.library.Library("torch_kernels", "DEF")
+DEVICE_KEYS = ("CPU", "CUDA", "XPU")
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_grad_enabled = torch.is_grad_enabled
+
+
+def define(
+    schema: str,
+    kernel: Callable,
+    fake: Callable,
+    *,
+    setup_context: Callable | None = None,
+    backward: Callable | None = None,
+    tags: tuple = (),
+) -> torch._ops.OpOverload:
+    """Define ``torch_kernels::<schema>``, its device kernel, fake and (optionally) autograd.
+
+    ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)`` follow the conventions
+    of ``torch.library.register_autograd``. Without them the op is inference-only: calling it
+    with inputs that require grad raises.
+    """
+    name = schema.split("(", 1)[0]
+    LIB.define(schema, tags=tags)
+    for key in DEVICE_KEYS:
+        LIB.impl(name, kernel, key)
+    torch.library.register_fake(f"torch_kernels::{name}", fake, lib=LIB)
+    op = getattr(torch.ops.torch_kernels, name).default
+    LIB.impl(name, _autograd_kernel(op, setup_context, backward), "Autograd")
+    return op
+
+
+def _autograd_kernel(op, setup, backward_formula) -> Callable:
+    if backward_formula is None:
+        function = None
+    else:
+
+        class function(torch.autograd.Function):  # noqa: N801 - one per op, named after it
+            @staticmethod
+            def forward(*args):
+                with _below_autograd():
+                    return op(*args)
+
+            setup_context = staticmethod(setup)
+            backward = staticmethod(backward_formula)
+
+        function.__name__ = function.__qualname__ = f"{op._opname}_autograd"
+
+    def autograd_kernel(*args):
+        if _grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            if function is None:
+                raise RuntimeError(
+                    f"torch_kernels::{op._opname} is inference-only and has no backward; "
+                    "call it under torch.no_grad() or on inputs that do not require grad"
+                )
+            return function.apply(*args)
+        with _below_autograd():
+            return op(*args)
+
+    return autograd_kernel

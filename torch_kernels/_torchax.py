@@ -1,0 +1,100 @@
+"""The torchax bridge: torch_kernels ops on torchax ('jax') tensors run their JAX kernels.
+
+``register(env)`` installs, for each op, a function that takes the torchax tensors' JAX arrays,
+runs the jax_impl kernel (Pallas) on them and wraps the result back, with gradients from the
+kernel's ``jax.custom_vjp``. ``environment()`` imports torchax, works around its import failure on
+recent torch, and returns its default environment with the ops registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_REMOVED_OVERLOAD_MARKERS = ("dimname", "names")
+
+
+class _RemovedOverload:
+    """Stands in for an operator overload that this torch no longer has."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<overload {self.name} removed from torch>"
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} does not exist in torch {torch.__version__}")
+
+
+def _needs_import_shim() -> bool:
+    # torchax <= 0.0.13 names the named-tensor overloads that torch 2.13 removed.
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0]) >= Version("2.13") and Version(
+        version("torchax")
+    ) <= Version("0.0.13")
+
+
+@contextlib.contextmanager
+def _removed_overloads_resolve():
+    packet = torch._ops.OpOverloadPacket
+    original = packet.__getattr__
+
+    def getattr_or_placeholder(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if any(marker in key.lower() for marker in _REMOVED_OVERLOAD_MARKERS):
+                return _RemovedOverload(f"{self._qualified_op_name}.{key}")
+            raise
+
+    packet.__getattr__ = getattr_or_placeholder
+    try:
+        yield
+    finally:
+        packet.__getattr__ = original
+
+
+@functools.cache
+def environment():
+    """torchax's default environment with every torch_kernels op registered."""
+    shim = _removed_overloads_resolve() if _needs_import_shim() else contextlib.nullcontext()
+    with shim:
+        import torchax
+
+        env = torchax.default_env()  # loads torchax's op tables, which name the removed overloads
+    register(env)
+    return env
+
+
+def _jax_implementations(**by_backend):
+    """One op implementation for torchax tensors from JAX functions of arrays, by backend name."""
+    from torchax.interop import j2t_autograd, torch_view
+
+    wrapped = {name: j2t_autograd(torch_view(fn)) for name, fn in by_backend.items()}
+
+    def impl(*tensors, implementation=None):
+        names = implementation.split(",") if implementation else ["pallas"]
+        for name in names:
+            if name in wrapped:
+                return wrapped[name](*tensors)
+        raise NotImplementedError(
+            f"implementation: torchax tensors run {sorted(wrapped)}, not {implementation!r}"
+        )
+
+    return impl
+
+
+def register(env) -> None:
+    """Register the JAX implementations of every op with torchax environment ``env``."""
+    from jax_impl import ood
+
+    env.override_op_definition(
+        torch.ops.torch_kernels.mahalanobis_score.default,
+        _jax_implementations(pallas=ood.mahalanobis_score, reference=ood.mahalanobis_score_reference),
+    )

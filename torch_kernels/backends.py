@@ -1,0 +1,245 @@
+"""Backend registry: which backends exist, whether they run here, and which one an op call uses.
+
+Four backends, in the order a call may try them:
+
+- ``reference``: pure PyTorch, runs on any device; the golden reference and the last resort.
+- ``triton``: Triton kernels (NVIDIA GPUs; Intel GPUs via triton-xpu). On CPU tensors the kernels
+  run under the Triton interpreter, for testing.
+- ``pallas``: JAX/Pallas kernels (TPU). Chosen for torchax ('jax') tensors; on CPU tensors the
+  kernels run in Pallas interpret mode on CPU JAX, for testing.
+- ``sycl``: SYCL kernels loaded from SPIR-V (Intel GPUs); on CPU tensors they run on the
+  ``opencl:cpu`` SYCL device.
+
+Which backends a call tries, first match wins:
+
+1. the call's ``implementation=`` argument;
+2. the innermost :func:`use_backend` context;
+3. the ``TORCH_KERNELS_BACKEND`` environment variable (comma-separated names);
+4. the inputs' device: cpu -> reference; cuda -> triton, reference; xpu -> sycl, triton, reference;
+   torchax ('jax') tensors never reach this registry: torchax runs the op's JAX implementation
+   (see ``torch_kernels._torchax``), which is the Pallas kernel.
+
+An explicit choice (1-3) is tried in the order given and nothing else: if every named backend is
+unavailable or raises ``NotImplementedError`` for these inputs, the call fails and says why. The
+device default always ends with the reference. The backend that ran is logged (logger
+``torch_kernels``, DEBUG) and appears in ``torch.profiler`` as ``torch_kernels::<op>[<backend>]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+import os
+import threading
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "unavailable_reason",
+    "unavailable_reasons",
+    "available_backends",
+    "use_backend",
+    "register",
+    "implementations",
+    "resolve",
+    "dispatch",
+    "last_backend",
+]
+
+BACKENDS = ("reference", "triton", "pallas", "sycl")
+ENV_VAR = "TORCH_KERNELS_BACKEND"
+DEVICE_DEFAULTS = {
+    "cpu": ("reference",),
+    "cuda": ("triton", "reference"),
+    "xpu": ("sycl", "triton", "reference"),
+}
+
+log = logging.getLogger("torch_kernels")
+
+
+def _probe_reference() -> str | None:
+    return None
+
+
+def _probe_triton() -> str | None:
+    try:
+        import triton  # noqa: F401
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+    except Exception as e:  # an ImportError, or a broken install raising anything
+        return f"triton does not import: {e}"
+    return None
+
+
+def _probe_pallas() -> str | None:
+    try:
+        import jax  # noqa: F401
+        from jax.experimental import pallas  # noqa: F401
+        from jax.experimental.pallas import tpu  # noqa: F401
+    except Exception as e:
+        return f"jax / pallas does not import: {e}"
+    return None
+
+
+def _probe_sycl() -> str | None:
+    try:
+        import oneapi_impl
+    except Exception as e:
+        return f"oneapi_impl does not import: {e}"
+    return oneapi_impl.unavailable_reason()
+
+
+_PROBES = {
+    "reference": _probe_reference,
+    "triton": _probe_triton,
+    "pallas": _probe_pallas,
+    "sycl": _probe_sycl,
+}
+_probe_results: dict[str, str | None] = {}
+_probe_lock = threading.Lock()
+
+
+def unavailable_reason(name: str) -> str | None:
+    """``None`` if backend ``name`` can run in this process, else why not (probed once, cached)."""
+    if name not in _PROBES:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
+    if name not in _probe_results:
+        with _probe_lock:
+            if name not in _probe_results:
+                _probe_results[name] = _PROBES[name]()
+    return _probe_results[name]
+
+
+def unavailable_reasons() -> dict[str, str | None]:
+    """Every backend's name mapped to ``None`` (available) or the reason it is not."""
+    return {name: unavailable_reason(name) for name in BACKENDS}
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run here, in registry order."""
+    return [name for name in BACKENDS if unavailable_reason(name) is None]
+
+
+def _parse(names: str | Sequence[str] | None, what: str) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        parsed = tuple(n.strip() for n in names.split(",") if n.strip())
+    elif isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
+        parsed = tuple(names)
+    else:
+        raise TypeError(f"{what}: expected a backend name or a sequence of names, got {names!r}")
+    if not parsed:
+        raise ValueError(f"{what}: expected at least one backend name, got {names!r}")
+    for n in parsed:
+        if n not in BACKENDS:
+            raise ValueError(f"{what}: unknown backend {n!r}; expected one of {BACKENDS}")
+    return parsed
+
+
+_context: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "torch_kernels_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def use_backend(names: str | Sequence[str]):
+    """Within this block, ops without an ``implementation=`` argument try ``names`` in order.
+
+    >>> with torch_kernels.use_backend(["triton", "reference"]):
+    ...     scores = torch_kernels.mahalanobis_score(x, means, whitener)
+    """
+    token = _context.set(_parse(names, "use_backend"))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def implementation_arg(implementation: str | Sequence[str] | None) -> str | None:
+    """The ``implementation=`` argument as the op schema carries it: a comma-separated string."""
+    parsed = _parse(implementation, "implementation")
+    return None if parsed is None else ",".join(parsed)
+
+
+def resolve(device_type: str, implementation: str | None) -> tuple[tuple[str, ...], bool]:
+    """The backends to try for a call on ``device_type`` and whether that order was explicit."""
+    explicit = _parse(implementation, "implementation")
+    if explicit is None:
+        explicit = _context.get()
+    if explicit is None:
+        env = os.environ.get(ENV_VAR)
+        if env:
+            explicit = _parse(env, ENV_VAR)
+    if explicit is not None:
+        return explicit, True
+    return DEVICE_DEFAULTS.get(device_type, ("reference",)), False
+
+
+# op name -> backend name -> callable, or "module:function" until first use
+_impls: dict[str, dict[str, Callable | str]] = {}
+_last: dict[str, str] = {}
+
+
+def register(op: str, backend: str, fn: Callable | str) -> None:
+    """Register ``fn`` (or a lazy ``"module:function"`` path) as ``backend``'s kernel for ``op``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
+    _impls.setdefault(op, {})[backend] = fn
+
+
+def implementations(op: str) -> tuple[str, ...]:
+    """The backends that have a kernel registered for ``op``."""
+    return tuple(b for b in BACKENDS if b in _impls.get(op, {}))
+
+
+def _kernel(op: str, backend: str) -> Callable:
+    fn = _impls[op][backend]
+    if isinstance(fn, str):
+        module, _, attr = fn.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+        _impls[op][backend] = fn
+    return fn
+
+
+def last_backend(op: str) -> str | None:
+    """The backend that ran the latest call of ``op`` in this process (for diagnostics)."""
+    return _last.get(op)
+
+
+def dispatch(op: str, device_type: str, implementation: str | None, *args):
+    """Run ``op``'s kernel on the first usable backend for this call; see the module docstring."""
+    order, explicit = resolve(device_type, implementation)
+    registered = _impls.get(op, {})
+    why: list[str] = []
+    for backend in order:
+        if backend not in registered:
+            why.append(f"{backend}: no kernel registered for {op}")
+            continue
+        reason = unavailable_reason(backend)
+        if reason is not None:
+            why.append(f"{backend}: {reason}")
+            continue
+        fn = _kernel(op, backend)
+        try:
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function(f"torch_kernels::{op}[{backend}]"):
+                    out = fn(*args)
+            else:
+                out = fn(*args)
+        except NotImplementedError as e:
+            why.append(f"{backend}: {e}")
+            continue
+        if _last.get(op) != backend:
+            log.debug("%s ran on backend %s", op, backend)
+            _last[op] = backend
+        return out
+    raise RuntimeError(
+        f"torch_kernels::{op}: no backend could run this call on {device_type} "
+        f"(tried {', '.join(order)}; {'explicitly chosen' if explicit else 'device default'}): "
+        + "; ".join(why)
+    )

@@ -1,0 +1,1 @@
+"""Op schemas, fakes, autograd and input checks, one module per family."""

@@ -1,0 +1,74 @@
+"""Triton kernels and their launchers. Imports torch and triton, never torch_kernels.
+
+Each kernel is written once with ``@triton.jit``. Launchers run it compiled on GPU tensors and
+under the Triton interpreter on CPU tensors (for tests), choosing per call by the tensors'
+device, so one process can do both. ``compile_for`` builds a kernel ahead of time for a GPU
+architecture without a GPU, which the tests use to prove every kernel compiles for real devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import triton
+from triton.runtime import interpreter
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def _interpreted_function(fn) -> InterpretedFunction:
+    return InterpretedFunction(fn)
+
+
+def _call_interpreted(jit_function, *args, **kwargs):
+    scope = interpreter._patch_lang(jit_function.fn)
+    try:
+        return _interpreted_function(jit_function.fn).rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()  # else the patched triton.language would break later GPU compiles
+
+
+@contextlib.contextmanager
+def _interpreting():
+    # Without TRITON_INTERPRET=1 at import, triton.language's own helpers (tl.sum, tl.zeros, ...)
+    # are JITFunctions, which refuse to be called from Python; while a kernel is interpreted,
+    # they are interpreted too.
+    with _lock:
+        original = JITFunction.__call__
+        JITFunction.__call__ = _call_interpreted
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+
+
+class _InterpretedLauncher:
+    def __init__(self, kernel):
+        self.function = kernel if isinstance(kernel, InterpretedFunction) else _interpreted_function(kernel.fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _interpreting():
+                return self.function[grid](*args, **kwargs)
+
+        return launch
+
+
+def for_device(kernel, device):
+    """``kernel`` compiled for a GPU device, or interpreted for CPU tensors."""
+    return _InterpretedLauncher(kernel) if device.type == "cpu" else kernel
+
+
+def compile_for(kernel, signature: dict, constexprs: dict, arch: int = 90, num_warps: int = 4):
+    """Compile ``kernel`` for CUDA compute capability ``arch`` (no GPU needed); returns the
+    compiled kernel, whose ``asm`` holds its ``ptx`` and ``cubin``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
