@@ -1,5 +1,8 @@
 """The torchax bridge: torch_kernels ops on torchax ('jax') tensors run their JAX kernels.
 
+Importing torchax registers a 'jax' device with torch for the whole process, so this module is
+imported only when torchax tensors are wanted, never by ``import torch_kernels``.
+
 ``register(env)`` installs, for each op, a function that takes the torchax tensors' JAX arrays,
 runs the jax_impl kernel (Pallas) on them and wraps the result back, with gradients from the
 kernel's ``jax.custom_vjp``. ``environment()`` imports torchax, works around its import failure on
@@ -78,11 +81,13 @@ def _jax_implementations(**by_backend):
 
     wrapped = {name: j2t_autograd(torch_view(fn)) for name, fn in by_backend.items()}
 
-    def impl(*tensors, implementation=None):
+    def impl(*args, implementation=None):
+        if args and (args[-1] is None or isinstance(args[-1], str)):  # the schema's last argument
+            *args, implementation = args
         names = implementation.split(",") if implementation else ["pallas"]
         for name in names:
             if name in wrapped:
-                return wrapped[name](*tensors)
+                return wrapped[name](*args)
         raise NotImplementedError(
             f"implementation: torchax tensors run {sorted(wrapped)}, not {implementation!r}"
         )

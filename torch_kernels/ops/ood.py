@@ -21,8 +21,15 @@ backends.register(OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
 
 def check_inputs(x, means, whitener) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op."""
+    x_dtype = x.dtype
+    param_dtypes = (torch.float64,) if x_dtype == torch.float64 else (x_dtype, torch.float32)
+    # the common case in one comparison; the detailed checks below say what is wrong
+    if (x.dim() == means.dim() == whitener.dim() == 2 and x_dtype in _checks.FLOAT_DTYPES
+            and means.dtype in param_dtypes and whitener.dtype in param_dtypes
+            and x.shape[1] == means.shape[1] == whitener.shape[0] == whitener.shape[1] > 0
+            and means.shape[0] > 0 and x.device == means.device == whitener.device):
+        return
     _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
-    param_dtypes = (torch.float64,) if x.dtype == torch.float64 else (x.dtype, torch.float32)
     _checks.tensor("means", means, ndim=2, dtypes=param_dtypes)
     _checks.tensor("whitener", whitener, ndim=2, dtypes=param_dtypes)
     d = x.shape[1]
@@ -41,6 +48,9 @@ def _nearest(x, means, whitener, implementation):
     dtype = reference.compute_dtype(x.dtype)
     if x.shape[0] == 0:
         return x.new_empty(0, dtype=dtype), x.new_empty(0, dtype=torch.int64)
+    if x.requires_grad or means.requires_grad or whitener.requires_grad:
+        # kernels take plain tensors (DLPack and USM copies refuse grad-requiring ones)
+        x, means, whitener = x.detach(), means.detach(), whitener.detach()
     center, class_proj, class_sq = reference.class_terms(means, whitener, dtype)
     return backends.dispatch(
         OP, x.device.type, implementation,
@@ -150,4 +160,7 @@ def mahalanobis_score(
     Returns:
         ``[B]`` scores, float32 (float64 for float64 ``x``). Differentiable in all three inputs.
     """
+    for name, value in (("x", x), ("means", means), ("whitener", whitener)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     return mahalanobis_score_op(x, means, whitener, backends.implementation_arg(implementation))

@@ -1,0 +1,79 @@
+"""The shared test harness every op family uses.
+
+- ``backend_params(op)``: one pytest param per backend with a kernel for ``op``. A backend that
+  cannot run here is skipped with its reason, unless TORCH_KERNELS_REQUIRE_ALL_BACKENDS=1 (CI sets
+  it), where that is a failure: CI must exercise every backend.
+- ``assert_close``: dtype-keyed relative tolerances against a float32/float64 truth.
+- ``run_opcheck``, ``compiled_fullgraph``, ``profiled_names``, ``counted_flops``: the op contract's
+  checks (opcheck, torch.compile with no graph break, profiler names, FLOP formulas).
+- ``run_isolated``: code that changes process-wide state (torchax) runs in a process of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from torch_kernels import backends
+from torch_kernels.selftest import TOLERANCES, relative_error
+
+REQUIRE_ALL = os.environ.get("TORCH_KERNELS_REQUIRE_ALL_BACKENDS") == "1"
+
+
+def require_backend(name: str) -> None:
+    reason = backends.unavailable_reason(name)
+    if reason is None:
+        return
+    if REQUIRE_ALL:
+        pytest.fail(f"backend {name} must run here but is unavailable: {reason}")
+    pytest.skip(f"backend {name} unavailable here: {reason}")
+
+
+def backend_params(op: str, exclude=()):
+    return [pytest.param(b, id=b) for b in backends.implementations(op) if b not in exclude]
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = "") -> None:
+    """max |out - expected| / max |expected| within the tolerance for inputs of ``dtype``."""
+    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = relative_error(out, expected)
+    tol = TOLERANCES[dtype][0] * scale
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} for {dtype}"
+
+
+def run_opcheck(op, args, kwargs=None) -> None:
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+def compiled_fullgraph(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+def profiled_names(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+def counted_flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh Python process (with the project and tests importable); its stdout."""
+    tests = pathlib.Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=tests.parent, env={**os.environ, "PYTHONPATH": path}, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout

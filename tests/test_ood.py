@@ -1,0 +1,370 @@
+"""The ood family: mahalanobis_score on every backend, and MahalanobisScorer against scikit-learn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import backends
+from torch_kernels.ood import MahalanobisScorer
+from torch_kernels.ops import ood as ood_ops
+from torch_kernels.reference import ood as reference
+from torch_kernels.selftest import mahalanobis_inputs
+
+from harness import (
+    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names,
+    require_backend, run_isolated, run_opcheck,
+)
+
+OP = "mahalanobis_score"
+SHAPES = [  # (B, D, C): odd sizes, one row, one feature, thousands of rows, many classes
+    (1, 1, 1), (5, 3, 1), (33, 127, 4), (3001, 3, 2), (257, 385, 1), (64, 20, 150),
+]
+BIG = (3000, 385, 3)
+
+
+def _inputs(seed, dtype, shape, device="cpu"):
+    b, d, c = shape
+    return mahalanobis_inputs(torch.Generator().manual_seed(seed), dtype, device, b=b, d=d, c=c)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [BIG], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reference_kernel_matches_definition(shape, dtype):
+    x, means, whitener = _inputs(1, dtype, shape)
+    expected = reference.mahalanobis_score_naive(x, means, whitener)
+    assert_close(torch_kernels.mahalanobis_score(x, means, whitener, implementation="reference"), expected, dtype)
+
+
+@pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_backend_matches_reference(backend, dtype, shape):
+    require_backend(backend)
+    x, means, whitener = _inputs(2, dtype, shape)
+    expected = reference.mahalanobis_score_naive(x, means, whitener)
+    out = torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend)
+    assert out.dtype == torch.float32
+    assert_close(out, expected, dtype, what=backend)
+    assert backends.last_backend(OP) == backend
+
+
+@pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
+def test_backend_large_batch(backend):
+    require_backend(backend)
+    x, means, whitener = _inputs(3, torch.float32, BIG)
+    expected = reference.mahalanobis_score_naive(x, means, whitener)
+    assert_close(torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend), expected, torch.float32)
+
+
+@pytest.mark.parametrize("backend", backend_params(OP))
+def test_nearest_class_and_params_in_x_dtype(backend):
+    """Means and whitener may be in x's own dtype; rows far from all but one class pick it."""
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(4)
+    means = torch.randn(6, 16, generator=gen) * 10
+    labels = torch.randint(0, 6, (50,), generator=gen)
+    x = (means[labels] + 0.1 * torch.randn(50, 16, generator=gen)).half()
+    eye = torch.eye(16)
+    expected = reference.mahalanobis_score_naive(x, means, eye)
+    out = torch_kernels.mahalanobis_score(x, means.half(), eye.half(), implementation=backend)
+    torch.testing.assert_close(out, ((x.float() - means.half().float()[labels]) ** 2).sum(1), rtol=2e-2, atol=2e-2)
+    assert out.max() < expected.max() * 1.05 + 1
+
+
+def test_gradcheck_reference_float64():
+    x, means, whitener = _inputs(5, torch.float64, (7, 5, 3))
+    args = tuple(t.clone().requires_grad_() for t in (x, means, whitener))
+    assert torch.autograd.gradcheck(lambda *a: torch_kernels.mahalanobis_score(*a, implementation="reference"), args)
+
+
+def _grads(backend, x, means, whitener):
+    args = [t.clone().requires_grad_() for t in (x, means, whitener)]
+    weights = torch.linspace(0.5, 1.5, x.shape[0])
+    (torch_kernels.mahalanobis_score(*args, implementation=backend) * weights).sum().backward()
+    return [a.grad for a in args]
+
+
+@pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
+def test_backend_gradients_match_reference(backend):
+    require_backend(backend)
+    x, means, whitener = _inputs(6, torch.float32, (45, 37, 3))
+    for name, got, want in zip(("x", "means", "whitener"), _grads(backend, x, means, whitener),
+                               _grads("reference", x.double(), means.double(), whitener.double())):
+        assert_close(got, want.float(), torch.float32, scale=10, what=f"grad {name}")
+
+
+def test_torchax_tensors_run_pallas_with_gradients():
+    require_backend("pallas")
+    run_isolated(TORCHAX_CHECK)
+
+
+# torchax registers a 'jax' device for the whole process, which upsets opcheck and dynamo in the
+# tests after it, so this runs in a process of its own.
+TORCHAX_CHECK = """
+import pytest, torch, torch_kernels
+from torch_kernels import _torchax
+from torch_kernels.reference import ood as reference
+from torch_kernels.selftest import mahalanobis_inputs
+from harness import assert_close
+
+def grads(fn, tensors):
+    args = [t.clone().requires_grad_() for t in tensors]
+    fn(*args).sum().backward()
+    return [a.grad for a in args]
+
+env = _torchax.environment()
+x, means, whitener = mahalanobis_inputs(torch.Generator().manual_seed(7), torch.float32, "cpu", b=40, d=24, c=2)
+expected = reference.mahalanobis_score_naive(x, means, whitener)
+want = grads(lambda *a: torch_kernels.mahalanobis_score(*a, implementation="reference"), (x, means, whitener))
+with env:
+    jx, jm, jw = (t.to("jax").requires_grad_() for t in (x, means, whitener))
+    out = torch.ops.torch_kernels.mahalanobis_score(jx, jm, jw)
+    assert type(out).__module__.startswith("torchax"), type(out)
+    out.sum().backward()
+    got = [t.grad.to("cpu") for t in (jx, jm, jw)]
+    out_cpu = out.detach().to("cpu")
+    by_reference = torch_kernels.mahalanobis_score(jx, jm, jw, implementation="reference").detach().to("cpu")
+    with pytest.raises(NotImplementedError, match="torchax tensors run"):
+        torch_kernels.mahalanobis_score(jx, jm, jw, implementation="triton")
+assert_close(out_cpu, expected, torch.float32)
+assert_close(by_reference, expected, torch.float32)
+for g, w in zip(got, want):
+    assert_close(g, w, torch.float32, scale=10)
+print("torchax ok")
+"""
+
+
+def test_torchax_shim_only_where_needed():
+    from torch_kernels import _torchax
+
+    from importlib.metadata import version
+    from packaging.version import Version
+
+    needed = Version(torch.__version__.split("+")[0]) >= Version("2.13") and Version(version("torchax")) <= Version("0.0.13")
+    assert _torchax._needs_import_shim() == needed
+
+
+@pytest.mark.parametrize("backend", backend_params(OP))
+def test_opcheck(backend):
+    require_backend(backend)
+    x, means, whitener = _inputs(8, torch.float32, (9, 6, 2))
+    run_opcheck(torch.ops.torch_kernels.mahalanobis_score.default, (x, means, whitener, backend))
+    grad = torch.ones(9)
+    run_opcheck(torch.ops.torch_kernels.mahalanobis_score_backward.default, (grad, x, means, whitener, backend))
+
+
+def test_compile_fullgraph_forward_and_backward():
+    scorer = MahalanobisScorer().fit(torch.randn(200, 8, generator=torch.Generator().manual_seed(9)))
+
+    def loss(features):
+        return torch.nn.functional.softplus(scorer(features) - 8.0).mean()
+
+    compiled = compiled_fullgraph(loss)
+    x = torch.randn(31, 8, generator=torch.Generator().manual_seed(10), requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    out, out_eager = compiled(x), loss(x_eager)
+    torch.testing.assert_close(out, out_eager)
+    out.backward()
+    out_eager.backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+
+
+@pytest.mark.parametrize("backend", backend_params(OP))
+def test_profiler_names_op_and_backend(backend):
+    require_backend(backend)
+    x, means, whitener = _inputs(11, torch.float32, (8, 4, 1))
+    names = profiled_names(lambda: torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend))
+    assert "torch_kernels::mahalanobis_score" in names
+    assert f"torch_kernels::mahalanobis_score[{backend}]" in names
+
+
+def test_flop_counter_counts_the_op():
+    b, d, c = 64, 32, 3
+    x, means, whitener = _inputs(12, torch.float32, (b, d, c))
+    flops = counted_flops(lambda: torch_kernels.mahalanobis_score(x, means, whitener))
+    assert flops == ood_ops.score_flops(b, c, d) == 2 * b * d * d + 2 * c * d * d + 2 * b * c * d + 2 * b * d
+
+
+def test_empty_batch():
+    x, means, whitener = _inputs(13, torch.float32, (1, 4, 2))
+    assert torch_kernels.mahalanobis_score(x[:0], means, whitener).shape == (0,)
+
+
+# ---- input checks ----
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda x, m, w: (x[0], m, w), ValueError, "x: expected 2 dimensions"),
+        (lambda x, m, w: (x, m[0], w), ValueError, "means: expected 2 dimensions"),
+        (lambda x, m, w: (x, m[:, :3], w), ValueError, "means: expected size 4 in dimension 1"),
+        (lambda x, m, w: (x, m, w[:3]), ValueError, "whitener: expected size 4 in dimension 0"),
+        (lambda x, m, w: (x.int(), m, w), TypeError, "x: expected dtype"),
+        (lambda x, m, w: (x.half(), m.double(), w), TypeError, "means: expected dtype"),
+        (lambda x, m, w: (x, m, w.half()), TypeError, "whitener: expected dtype"),
+        (lambda x, m, w: (x, m.to("meta"), w), ValueError, "means: expected device cpu"),
+        (lambda x, m, w: (x.numpy(), m, w), TypeError, "x: expected a torch.Tensor"),
+        (lambda x, m, w: (x, m[:0], w), ValueError, "means: expected at least one class"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, error, match):
+    x, means, whitener = _inputs(14, torch.float32, (3, 4, 2))
+    with pytest.raises(error, match=match):
+        torch_kernels.mahalanobis_score(*change(x, means, whitener))
+
+
+# ---- backend selection ----
+
+def test_selection_order_and_fallback(monkeypatch):
+    x, means, whitener = _inputs(15, torch.float64, (4, 3, 1))
+    torch_kernels.mahalanobis_score(x, means, whitener)
+    assert backends.last_backend(OP) == "reference"  # the cpu default
+    if backends.unavailable_reason("triton") is None:
+        # triton has no float64: an ordered list moves on, a single name fails and says why
+        torch_kernels.mahalanobis_score(x, means, whitener, implementation=["triton", "reference"])
+        assert backends.last_backend(OP) == "reference"
+        with pytest.raises(RuntimeError, match="triton: triton: float64 inputs are not supported"):
+            torch_kernels.mahalanobis_score(x, means, whitener, implementation="triton")
+        xf, mf, wf = x.float(), means.float(), whitener.float()
+        monkeypatch.setenv(backends.ENV_VAR, "triton")
+        torch_kernels.mahalanobis_score(xf, mf, wf)
+        assert backends.last_backend(OP) == "triton"
+        with torch_kernels.use_backend("reference"):  # the context beats the environment
+            torch_kernels.mahalanobis_score(xf, mf, wf)
+            assert backends.last_backend(OP) == "reference"
+            torch_kernels.mahalanobis_score(xf, mf, wf, implementation="triton")  # the argument beats both
+            assert backends.last_backend(OP) == "triton"
+    with pytest.raises(ValueError, match="implementation: unknown backend 'cuda'"):
+        torch_kernels.mahalanobis_score(x, means, whitener, implementation="cuda")
+    with pytest.raises(ValueError, match="use_backend: unknown backend"):
+        with torch_kernels.use_backend(["reference", "nope"]):
+            pass
+    monkeypatch.setenv(backends.ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="TORCH_KERNELS_BACKEND: unknown backend 'bogus'"):
+        torch_kernels.mahalanobis_score(x, means, whitener)
+
+
+def test_device_defaults():
+    assert backends.resolve("cpu", None) == (("reference",), False)
+    assert backends.resolve("cuda", None) == (("triton", "reference"), False)
+    assert backends.resolve("xpu", None) == (("sycl", "triton", "reference"), False)
+    assert backends.resolve("cuda", "pallas,reference") == (("pallas", "reference"), True)
+
+
+def test_import_needs_only_torch_and_numpy():
+    """With jax, triton and dpctl hidden, the package imports and says why those backends are off."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib', 'triton', 'dpctl', 'torchax'):\n"
+        "            raise ImportError('hidden: ' + name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "import torch, torch_kernels\n"
+        "r = torch_kernels.unavailable_reasons()\n"
+        "assert r['reference'] is None, r\n"
+        "assert all(r[b] and 'hidden' in r[b] for b in ('triton', 'pallas')) and r['sycl'], r\n"
+        "x = torch.randn(3, 2)\n"
+        "print(torch_kernels.mahalanobis_score(x, x[:1], torch.eye(2)).shape)\n"
+    )
+    assert "torch.Size([3])" in run_isolated(code)
+
+
+# ---- MahalanobisScorer against scikit-learn ----
+
+sklearn_covariance = pytest.importorskip("sklearn.covariance")
+
+
+def _correlated(seed, n, d, shift=3.0):
+    rng = np.random.default_rng(seed)
+    mix = rng.normal(size=(d, d)) / np.sqrt(d) + np.eye(d)
+    return rng.normal(size=(n, d)) @ mix + shift + rng.normal(size=d)
+
+
+@pytest.mark.parametrize(
+    "kind, estimator",
+    [("empirical", "EmpiricalCovariance"), ("ledoit_wolf", "LedoitWolf"), ("oas", "OAS")],
+)
+@pytest.mark.parametrize("n, d", [(500, 1), (500, 7), (60, 40), (2000, 127)])
+def test_fit_matches_sklearn(kind, estimator, n, d):
+    if kind == "empirical" and n < d * 2:
+        pytest.skip("the empirical covariance of so few rows is too ill-conditioned to compare at 1e-6")
+    data = _correlated(n + d, n, d)
+    ours = MahalanobisScorer(covariance=kind).fit(torch.from_numpy(data))
+    theirs = getattr(sklearn_covariance, estimator)().fit(data)
+    np.testing.assert_allclose(ours.means_[0].numpy(), theirs.location_, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(ours.covariance_.numpy(), theirs.covariance_, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(ours.precision_.numpy(), theirs.precision_, rtol=1e-6, atol=1e-6 * np.abs(theirs.precision_).max())
+    if kind != "empirical":
+        assert ours.shrinkage_.item() == pytest.approx(theirs.shrinkage_, rel=1e-6, abs=1e-12)
+    queries = _correlated(1, 100, d, shift=4.0)
+    np.testing.assert_allclose(ours.score(torch.from_numpy(queries)).numpy(), theirs.mahalanobis(queries), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["empirical", "ledoit_wolf", "oas"])
+def test_fit_streaming_equals_one_pass(kind):
+    data = torch.from_numpy(_correlated(3, 1000, 16))
+    whole = MahalanobisScorer(kind).fit(data)
+    streamed = MahalanobisScorer(kind).fit(iter(data.split(77)))
+    torch.testing.assert_close(streamed.covariance_, whole.covariance_, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(streamed.means_, whole.means_, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind, estimator", [("empirical", "EmpiricalCovariance"), ("ledoit_wolf", "LedoitWolf"), ("oas", "OAS")])
+def test_fit_with_labels_is_tied_covariance(kind, estimator):
+    rng = np.random.default_rng(4)
+    centers = rng.normal(size=(5, 12)) * 4
+    labels = rng.integers(0, 5, size=800)
+    data = centers[labels] + _correlated(5, 800, 12, shift=0.0)
+    ours = MahalanobisScorer(kind).fit(list(torch.from_numpy(data).split(100)), list(torch.from_numpy(labels).split(100)))
+    class_means = np.stack([data[labels == c].mean(0) for c in range(5)])
+    theirs = getattr(sklearn_covariance, estimator)(assume_centered=True).fit(data - class_means[labels])
+    np.testing.assert_allclose(ours.means_.numpy(), class_means, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(ours.covariance_.numpy(), theirs.covariance_, rtol=1e-6, atol=1e-9)
+    queries = rng.normal(size=(30, 12)) * 4
+    expected = np.min([theirs.mahalanobis(queries - m) for m in class_means], axis=0)
+    np.testing.assert_allclose(ours.score(torch.from_numpy(queries)).numpy(), expected, rtol=1e-6)
+
+
+def test_threshold_state_dict_and_ridge():
+    data = torch.from_numpy(_correlated(6, 4000, 10))
+    scorer = MahalanobisScorer("oas", ridge=1e-3).fit(data[:3000])
+    limit = scorer.threshold(data[3000:], tpr=0.9)
+    assert (scorer.score(data[3000:]) <= limit).double().mean().item() == pytest.approx(0.9, abs=2e-3)
+    restored = MahalanobisScorer("oas", ridge=1e-3)
+    restored.load_state_dict(scorer.state_dict())
+    torch.testing.assert_close(restored.score(data[:50].float()), scorer.score(data[:50].float()))
+    assert restored.covariance_.diagonal().min() >= 1e-3
+    assert "classes=1, features=10" in repr(restored)
+
+
+def test_fit_errors_name_the_argument():
+    good = torch.randn(50, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="features: the covariance is singular"):
+        MahalanobisScorer().fit(torch.randn(3, 8))
+    MahalanobisScorer(ridge=0.1).fit(torch.randn(3, 8))  # a ridge makes it invertible
+    bad = good.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="features: batch 0 contains NaN or inf"):
+        MahalanobisScorer().fit(bad)
+    with pytest.raises(ValueError, match="features: batch 1 contains NaN or inf"):
+        MahalanobisScorer().fit([good, torch.full((2, 4), float("inf"))])
+    with pytest.raises(ValueError, match="covariance: expected one of"):
+        MahalanobisScorer(covariance="shrunk")
+    with pytest.raises(ValueError, match="ridge: expected a float >= 0"):
+        MahalanobisScorer(ridge=-1.0)
+    with pytest.raises(TypeError, match="features: expected dtype"):
+        MahalanobisScorer().fit(torch.ones(5, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="labels: batch 0 has 50 rows"):
+        MahalanobisScorer().fit(good, torch.zeros(49, dtype=torch.int64))
+    with pytest.raises(ValueError, match="labels: classes \\[1\\] have no samples"):
+        MahalanobisScorer().fit(good, torch.where(torch.arange(50) < 25, 0, 2))
+    with pytest.raises(ValueError, match="features: a one-shot iterator"):
+        MahalanobisScorer("oas").fit(iter([good]), [torch.zeros(50, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="tpr: expected a fraction"):
+        MahalanobisScorer().fit(good).threshold(good, tpr=1.5)
+    with pytest.raises(RuntimeError, match="call fit"):
+        MahalanobisScorer().score(good)
