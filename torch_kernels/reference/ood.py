@@ -32,6 +32,8 @@ def class_terms(means: torch.Tensor, whitener: torch.Tensor, dtype: torch.dtype)
     Returns ``center [D]``, ``class_proj [C, D]`` (= (means - center) W) and ``class_sq [C]``.
     """
     means = means.to(dtype)
+    if means.shape[0] == 1:  # the common label-free case: nothing to whiten
+        return means[0], means.new_zeros(means.shape), means.new_zeros(1)
     center = means.mean(dim=0)
     class_proj = (means - center) @ whitener.to(dtype)
     return center, class_proj, class_proj.square().sum(dim=1)
