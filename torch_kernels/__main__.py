@@ -1,4 +1,4 @@
-"""Command line: ``python -m torch_kernels doctor`` | ``bench [args]``."""
+"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``bench [args]``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="list the backends that run here and check every op on each")
+    sub.add_parser("demo", help="out-of-distribution scoring of synthetic features on each backend")
     bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -20,12 +21,48 @@ def main(argv=None) -> int:
         from .selftest import doctor
 
         return 0 if doctor() else 1
+    if args.command == "demo":
+        return demo()
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
         print(f"bench: {runner} not found; the benchmarks ship with the source checkout", file=sys.stderr)
         return 2
     sys.argv = [str(runner), *args.args]
     runpy.run_path(str(runner), run_name="__main__")
+    return 0
+
+
+def auroc(negatives, positives) -> float:
+    """Probability that a positive outscores a negative (ties count half), by ranks."""
+    import torch
+
+    scores = torch.cat([negatives, positives]).double()
+    ranks = torch.empty_like(scores)
+    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    n, p = len(negatives), len(positives)
+    return ((ranks[n:].sum() - p * (p + 1) / 2) / (n * p)).item()
+
+
+def demo() -> int:
+    """Fit on in-distribution features, then tell them apart from shifted ones on each backend."""
+    import torch
+
+    from . import available_backends
+    from .ood import MahalanobisScorer
+
+    gen = torch.Generator().manual_seed(0)
+    d = 64
+    mix = torch.randn(d, d, generator=gen) / d**0.5 + torch.eye(d)
+    inside = lambda n: torch.randn(n, d, generator=gen) @ mix  # noqa: E731
+    scorer = MahalanobisScorer("ledoit_wolf").fit(inside(5000))
+    heldout, queries = inside(1000), inside(1000)
+    outside = queries + 0.25 * torch.randn(1, d, generator=gen)  # the same features, shifted
+    limit = scorer.threshold(heldout, tpr=0.95)
+    print(f"fitted on 5000 x {d} features (shrinkage {scorer.shrinkage_.item():.3f}); threshold at 95% TPR {limit:.1f}")
+    print(f"{'backend':<10} {'AUROC':>7} {'FPR@95%TPR':>11}")
+    for backend in available_backends():
+        s_in, s_out = scorer.score(queries, implementation=backend), scorer.score(outside, implementation=backend)
+        print(f"{backend:<10} {auroc(s_in, s_out):>7.3f} {(s_out <= limit).float().mean().item():>11.3f}")
     return 0
 
 
