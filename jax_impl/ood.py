@@ -56,11 +56,15 @@ def _kernel(x_ref, center_ref, w_ref, proj_ref, class_sq_ref, score_ref, nearest
 
     @pl.when((n == last_n) & (k == last_k))
     def _():
-        distances = sq_ref[...] - 2.0 * dots_ref[...] + class_sq_ref[...]
-        best = jnp.min(distances, axis=1, keepdims=True)
+        sq = sq_ref[...]
+        distances = sq - 2.0 * dots_ref[...] + class_sq_ref[...]
+        # A NaN row scores NaN and still names class 0, never a padding column.
+        nan_row = sq != sq
+        best = jnp.where(nan_row, sq, jnp.min(distances, axis=1, keepdims=True))
         classes = jax.lax.broadcasted_iota(jnp.int32, distances.shape, 1)
-        first = jnp.min(jnp.where(distances == best, classes, distances.shape[1]), axis=1, keepdims=True)
-        score_ref[...] = jnp.maximum(best, 0.0)
+        is_best = (distances == best) | nan_row
+        first = jnp.min(jnp.where(is_best, classes, distances.shape[1]), axis=1, keepdims=True)
+        score_ref[...] = jnp.where(best < 0.0, 0.0, best)
         nearest_ref[...] = first
 
 

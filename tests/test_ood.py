@@ -105,7 +105,6 @@ def test_torchax_tensors_run_pallas_with_gradients():
 # tests after it, so this runs in a process of its own.
 TORCHAX_CHECK = """
 import pytest, torch, torch_kernels
-from torch_kernels import _torchax
 from torch_kernels.reference import ood as reference
 from torch_kernels.selftest import mahalanobis_inputs
 from harness import assert_close
@@ -115,7 +114,7 @@ def grads(fn, tensors):
     fn(*args).sum().backward()
     return [a.grad for a in args]
 
-env = _torchax.environment()
+env = torch_kernels.torchax_environment()
 x, means, whitener = mahalanobis_inputs(torch.Generator().manual_seed(7), torch.float32, "cpu", b=40, d=24, c=2)
 expected = reference.mahalanobis_score_naive(x, means, whitener)
 want = grads(lambda *a: torch_kernels.mahalanobis_score(*a, implementation="reference"), (x, means, whitener))
@@ -145,6 +144,21 @@ def test_torchax_shim_only_where_needed():
 
     needed = Version(torch.__version__.split("+")[0]) >= Version("2.13") and Version(version("torchax")) <= Version("0.0.13")
     assert _torchax._needs_import_shim() == needed
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the Triton interpreter's numpy min
+@pytest.mark.parametrize("backend", backend_params(OP))
+def test_nan_row_gives_nan_score_and_leaves_other_rows(backend):
+    require_backend(backend)
+    x, means, whitener = _inputs(11, torch.float32, (6, 5, 3))
+    x[2, 1] = float("nan")
+    out = torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend)
+    assert torch.isnan(out[2]), out
+    keep = torch.arange(6) != 2
+    assert_close(out[keep], reference.mahalanobis_score_naive(x[keep], means, whitener), torch.float32)
+    # the backward gathers means[nearest]: the NaN row's class must still be in range
+    grad_x, _, _ = torch.ops.torch_kernels.mahalanobis_score_backward(torch.ones(6), x, means, whitener, backend)
+    assert torch.isfinite(grad_x[keep]).all()
 
 
 @pytest.mark.parametrize("backend", backend_params(OP))

@@ -74,8 +74,12 @@ def mahalanobis_min_kernel(
     class_sq = tl.load(class_sq_ptr + classes, mask=class_mask, other=float("inf"))
     distances = sq[:, None] - 2.0 * dots + class_sq[None, :]
     best = tl.min(distances, axis=1)
-    nearest = tl.min(tl.where(distances == best[:, None], classes[None, :], BLOCK_C), axis=1)
-    tl.store(score_ptr + rows, tl.maximum(best, 0.0), mask=row_mask)
+    # A NaN row must score NaN (min and maximum may drop NaNs) and still name a class in range.
+    nan_row = sq != sq
+    best = tl.where(nan_row, sq, best)
+    is_best = (distances == best[:, None]) | nan_row[:, None]
+    nearest = tl.min(tl.where(is_best & class_mask[None, :], classes[None, :], BLOCK_C), axis=1)
+    tl.store(score_ptr + rows, tl.where(best < 0.0, 0.0, best), mask=row_mask)
     tl.store(nearest_ptr + rows, nearest.to(tl.int64), mask=row_mask)
 
 
