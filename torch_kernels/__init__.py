@@ -11,6 +11,18 @@ from .backends import available_backends, unavailable_reasons, use_backend
 from .ops.ood import mahalanobis_score
 from . import ood
 
+
+def torchax_environment():
+    """torchax's default environment with every torch_kernels op registered (needs ``[jax]``).
+
+    Ops called on torchax tensors inside ``with torchax_environment():`` run their JAX/Pallas
+    implementation on the JAX arrays, gradients included.
+    """
+    from ._torchax import environment
+
+    return environment()
+
+
 __all__ = [
     "backends",
     "available_backends",
@@ -18,5 +30,6 @@ __all__ = [
     "use_backend",
     "mahalanobis_score",
     "ood",
+    "torchax_environment",
 ]
 __version__ = "0.1.0"

@@ -166,13 +166,25 @@ def implementation_arg(implementation: str | Sequence[str] | None) -> str | None
     return None if parsed is None else ",".join(parsed)
 
 
+# os.environ.get re-encodes the key on every call (about 0.5 us); the raw mapping does not.
+_environ = getattr(os.environ, "_data", None)
+_env_key = os.environ.encodekey(ENV_VAR) if _environ is not None else ENV_VAR
+
+
+def _env_setting() -> str | None:
+    if _environ is None:
+        return os.environ.get(ENV_VAR)
+    value = _environ.get(_env_key)
+    return os.environ.decodevalue(value) if value is not None else None
+
+
 def resolve(device_type: str, implementation: str | None) -> tuple[tuple[str, ...], bool]:
     """The backends to try for a call on ``device_type`` and whether that order was explicit."""
     explicit = _parse(implementation, "implementation")
     if explicit is None:
         explicit = _context.get()
     if explicit is None:
-        env = os.environ.get(ENV_VAR)
+        env = _env_setting()
         if env:
             explicit = _parse(env, ENV_VAR)
     if explicit is not None:

@@ -7,6 +7,8 @@ kernel computes, checked against the definition in the tests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -33,10 +35,18 @@ def class_terms(means: torch.Tensor, whitener: torch.Tensor, dtype: torch.dtype)
     """
     means = means.to(dtype)
     if means.shape[0] == 1:  # the common label-free case: nothing to whiten
-        return means[0], means.new_zeros(means.shape), means.new_zeros(1)
+        return (means[0], *_zero_class_terms(means.shape[1], dtype, means.device))
     center = means.mean(dim=0)
     class_proj = (means - center) @ whitener.to(dtype)
     return center, class_proj, class_proj.square().sum(dim=1)
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_class_terms(d: int, dtype: torch.dtype, device: torch.device):
+    # Read-only inputs of the kernels, shared by every label-free call instead of allocated per call
+    # (made outside inference mode so that they may meet autograd-tracked tensors).
+    with torch.inference_mode(False):
+        return torch.zeros(1, d, dtype=dtype, device=device), torch.zeros(1, dtype=dtype, device=device)
 
 
 def mahalanobis_min(

