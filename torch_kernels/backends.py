@@ -202,6 +202,7 @@ def register(op: str, backend: str, fn: Callable | str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
     _impls.setdefault(op, {})[backend] = fn
+    _plans.clear()
 
 
 def implementations(op: str) -> tuple[str, ...]:
@@ -218,6 +219,25 @@ def _kernel(op: str, backend: str) -> Callable:
     return fn
 
 
+# (op, backend order) -> ((backend, kernel, None) or (backend, None, why it cannot run), ...)
+_plans: dict[tuple[str, tuple[str, ...]], tuple] = {}
+
+
+def _plan(op: str, order: tuple[str, ...]) -> tuple:
+    plan = _plans.get((op, order))
+    if plan is None:
+        steps = []
+        for backend in order:
+            if backend not in _impls.get(op, {}):
+                steps.append((backend, None, f"no kernel registered for {op}"))
+            elif (reason := unavailable_reason(backend)) is not None:
+                steps.append((backend, None, reason))
+            else:
+                steps.append((backend, _kernel(op, backend), None))
+        plan = _plans[(op, order)] = tuple(steps)
+    return plan
+
+
 def last_backend(op: str) -> str | None:
     """The backend that ran the latest call of ``op`` in this process (for diagnostics)."""
     return _last.get(op)
@@ -226,17 +246,11 @@ def last_backend(op: str) -> str | None:
 def dispatch(op: str, device_type: str, implementation: str | None, *args):
     """Run ``op``'s kernel on the first usable backend for this call; see the module docstring."""
     order, explicit = resolve(device_type, implementation)
-    registered = _impls.get(op, {})
     why: list[str] = []
-    for backend in order:
-        if backend not in registered:
-            why.append(f"{backend}: no kernel registered for {op}")
-            continue
-        reason = unavailable_reason(backend)
-        if reason is not None:
+    for backend, fn, reason in _plan(op, order):
+        if fn is None:
             why.append(f"{backend}: {reason}")
             continue
-        fn = _kernel(op, backend)
         try:
             if torch.autograd.profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"torch_kernels::{op}[{backend}]"):
@@ -244,7 +258,8 @@ def dispatch(op: str, device_type: str, implementation: str | None, *args):
             else:
                 out = fn(*args)
         except NotImplementedError as e:
-            why.append(f"{backend}: {e}")
+            message = str(e)  # kernels usually name their backend already
+            why.append(message if message.startswith(f"{backend}:") else f"{backend}: {message}")
             continue
         if _last.get(op) != backend:
             log.debug("%s ran on backend %s", op, backend)

@@ -19,16 +19,22 @@ backends.register(OP, "pallas", "torch_kernels._jax_interop:pallas_mahalanobis_m
 backends.register(OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
 
 
+# x's dtype -> the dtypes means and whitener may have
+_PARAM_DTYPES = {dtype: (torch.float64,) if dtype == torch.float64 else (dtype, torch.float32)
+                 for dtype in _checks.FLOAT_DTYPES}
+
+
 def check_inputs(x, means, whitener) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op."""
+    xs, ms, ws = x.shape, means.shape, whitener.shape
+    param_dtypes = _PARAM_DTYPES.get(x.dtype)
+    # the common case in one comparison; the detailed checks below say what is wrong
+    if (len(xs) == len(ms) == len(ws) == 2 and xs[1] == ms[1] == ws[0] == ws[1] > 0 and ms[0] > 0
+            and param_dtypes is not None and means.dtype in param_dtypes and whitener.dtype in param_dtypes
+            and x.device == means.device == whitener.device):
+        return
     x_dtype = x.dtype
     param_dtypes = (torch.float64,) if x_dtype == torch.float64 else (x_dtype, torch.float32)
-    # the common case in one comparison; the detailed checks below say what is wrong
-    if (x.dim() == means.dim() == whitener.dim() == 2 and x_dtype in _checks.FLOAT_DTYPES
-            and means.dtype in param_dtypes and whitener.dtype in param_dtypes
-            and x.shape[1] == means.shape[1] == whitener.shape[0] == whitener.shape[1] > 0
-            and means.shape[0] > 0 and x.device == means.device == whitener.device):
-        return
     _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     _checks.tensor("means", means, ndim=2, dtypes=param_dtypes)
     _checks.tensor("whitener", whitener, ndim=2, dtypes=param_dtypes)
@@ -53,7 +59,7 @@ def _nearest(x, means, whitener, implementation):
         x, means, whitener = x.detach(), means.detach(), whitener.detach()
     center, class_proj, class_sq = reference.class_terms(means, whitener, dtype)
     return backends.dispatch(
-        OP, x.device.type, implementation,
+        OP, "cpu" if x.is_cpu else x.device.type, implementation,  # is_cpu is the cheaper question
         x.contiguous(), center, whitener.contiguous(), class_proj, class_sq,
     )
 

@@ -17,6 +17,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without its cost (about 0.6 us) when ``t`` already has that dtype."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def mahalanobis_score_naive(x: torch.Tensor, means: torch.Tensor, whitener: torch.Tensor) -> torch.Tensor:
     """min over classes c of ||(x - means[c]) @ whitener||^2, one class at a time."""
     dtype = compute_dtype(x.dtype)
@@ -33,11 +38,11 @@ def class_terms(means: torch.Tensor, whitener: torch.Tensor, dtype: torch.dtype)
     ||y||^2 - 2 y.p_c + ||p_c||^2 cancels only the (small) spread of the class means.
     Returns ``center [D]``, ``class_proj [C, D]`` (= (means - center) W) and ``class_sq [C]``.
     """
-    means = means.to(dtype)
+    means = as_dtype(means, dtype)
     if means.shape[0] == 1:  # the common label-free case: nothing to whiten
         return (means[0], *_zero_class_terms(means.shape[1], dtype, means.device))
     center = means.mean(dim=0)
-    class_proj = (means - center) @ whitener.to(dtype)
+    class_proj = (means - center) @ as_dtype(whitener, dtype)
     return center, class_proj, class_proj.square().sum(dim=1)
 
 
@@ -62,7 +67,10 @@ def mahalanobis_min(
     returns ``(max(min_c d, 0), argmin_c d)`` as (float32 or float64 ``[B]``, int64 ``[B]``).
     """
     dtype = center.dtype
-    y = (x.to(dtype) - center) @ whitener.to(dtype)
+    y = (as_dtype(x, dtype) - center) @ as_dtype(whitener, dtype)
+    if class_proj.shape[0] == 1:  # y . (y - 2 p) + ||p||^2, without a [B, 1] matrix
+        score = torch.linalg.vecdot(y, torch.sub(y, class_proj, alpha=2.0)).add_(class_sq)
+        return score.clamp_(min=0.0), torch.zeros(y.shape[0], dtype=torch.int64, device=y.device)
     distances = torch.addmm(class_sq, y, class_proj.T, alpha=-2.0)
     distances += y.square().sum(dim=1, keepdim=True)
     score, nearest = distances.min(dim=1)
