@@ -8,30 +8,35 @@ import torch
 
 from . import _runtime
 
-GROUP = 64  # work-items per work-group
+TILE = 16  # a work-group is TILE x TILE work-items
 _X_KINDS = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
-def _layout(b: int, d: int, acc_bytes: int, local_bytes: int) -> tuple[int, int]:
-    """(ROWS, MAX_D): rows per work-group and the padded feature size of the local arrays.
+def _local_bytes(rows_per_item: int, max_c: int, acc_bytes: int) -> int:
+    rows = TILE * rows_per_item  # mirrors the __local arrays of ood.cl
+    return (2 * rows * (TILE + 1) + TILE * TILE + rows * max_c + rows * TILE) * acc_bytes + rows * TILE * 4
 
-    MAX_D is a power of two so that a handful of builds serve every D. Several rows per group
-    reuse each read of the whitener; a tiny batch takes one.
+
+def _layout(b: int, c: int, acc_bytes: int, local_bytes: int) -> tuple[int, int]:
+    """(RB, MAX_C): rows per work-item, and the class count the local dot products are sized for.
+
+    MAX_C is a power of two so that a handful of builds serve every C. Four rows per work-item
+    (64 per group) reuse each tile of W; a small batch takes one.
     """
-    max_d = 32
-    while max_d < d:
-        max_d *= 2
-    rows = 8 if b >= 8 else 1
-    while rows and (2 * rows * max_d + rows * GROUP) * acc_bytes + rows * GROUP * 4 > local_bytes:
-        rows //= 2
-    if not rows:
-        raise NotImplementedError(f"sycl: D={d} does not fit the device's {local_bytes} bytes of local memory")
-    return rows, max_d
+    max_c = 1
+    while max_c < c:
+        max_c *= 2
+    rows_per_item = 4 if b > TILE else 1
+    while rows_per_item and _local_bytes(rows_per_item, max_c, acc_bytes) > local_bytes:
+        rows_per_item //= 2
+    if not rows_per_item:
+        raise NotImplementedError(f"sycl: {c} classes do not fit the device's {local_bytes} bytes of local memory")
+    return rows_per_item, max_c
 
 
-def _macros(x_dtype: torch.dtype, rows: int, max_d: int) -> dict[str, int]:
+def _macros(x_dtype: torch.dtype, rows_per_item: int, max_c: int) -> dict[str, int]:
     return {"X_KIND": _X_KINDS[x_dtype], "ACC_F64": int(x_dtype == torch.float64),
-            "ROWS": rows, "GROUP": GROUP, "MAX_D": max_d}
+            "TILE": TILE, "RB": rows_per_item, "MAX_C": max_c}
 
 
 def mahalanobis_min(x, center, whitener, class_proj, class_sq):
@@ -46,14 +51,15 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq):
     acc = center.dtype
     b, d = x.shape
     c = class_proj.shape[0]
-    rows, max_d = _layout(b, d, torch.empty((), dtype=acc).element_size(), _runtime.local_memory_bytes())
-    kernel = _runtime.kernel("ood.cl", "mahalanobis_min", **_macros(x.dtype, rows, max_d))
+    rows_per_item, max_c = _layout(b, c, torch.empty((), dtype=acc).element_size(), _runtime.local_memory_bytes())
+    kernel = _runtime.kernel("ood.cl", "mahalanobis_min", **_macros(x.dtype, rows_per_item, max_c))
     inputs = [_runtime.usm_copy(t.contiguous()) for t in (x, center, whitener.to(acc), class_proj, class_sq)]
     score_mem, score = _runtime.usm_empty((b,), acc)
     nearest_mem, nearest = _runtime.usm_empty((b,), torch.int64)
     args = [mem for mem, _ in inputs] + [score_mem, nearest_mem, ctypes.c_int(b), ctypes.c_int(d), ctypes.c_int(c)]
-    groups = -(-b // rows)
-    _runtime.host_queue().submit(kernel, args, [groups * GROUP], [GROUP]).wait()
+    groups = -(-b // (TILE * rows_per_item))
+    # SYCL ranges list the slowest dimension first: OpenCL dimension 0 (columns, row blocks) is last.
+    _runtime.host_queue().submit(kernel, args, [TILE, groups * TILE], [TILE, TILE]).wait()
     return score, nearest
 
 
@@ -73,5 +79,5 @@ def self_check() -> None:
 
 
 def spirv_binaries() -> list[bytes]:
-    """The SPIR-V modules for every x dtype at one batch and feature layout (built, cached)."""
-    return [_runtime.spirv("ood.cl", _macros(dtype, 8, 128)) for dtype in _X_KINDS]
+    """The SPIR-V modules for every x dtype at one layout (built, cached)."""
+    return [_runtime.spirv("ood.cl", _macros(dtype, 4, 256)) for dtype in _X_KINDS]
