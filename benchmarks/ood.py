@@ -215,7 +215,10 @@ def plot(rows, dims, batch_sizes, mech_rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5 * (len(dims) + 1), 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 9))
+    axes = list(grid.flat)[: len(dims)] + [grid.flat[-1]]
+    for unused in list(grid.flat)[len(dims):-1]:
+        unused.axis("off")
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     for ax, d in zip(axes, dims):
         for impl in impls:
@@ -226,7 +229,7 @@ def plot(rows, dims, batch_sizes, mech_rows, path):
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     ax = axes[-1]
-    ax.barh([r["call"] for r in mech_rows], [r["us"] for r in mech_rows])
+    ax.barh([r["call"].replace(" (", "\n(") for r in mech_rows], [r["us"] for r in mech_rows])
     ax.set(xlabel="us per call (B=1, D=8)", title="cost of the mechanism")
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()

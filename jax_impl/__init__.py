@@ -15,4 +15,5 @@ def interpret_params(interpret):
 
 
 def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple

@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import interpret_params, round_up
 
 LANES = 128
+MAX_CLASSES = 1024  # class_proj blocks [C, 512] and the dots [256, C] stay within a few MB of VMEM
 
 
 def _block(dim: int, preferred: int) -> int:
@@ -30,7 +31,7 @@ def _block(dim: int, preferred: int) -> int:
 
 
 def _kernel(x_ref, center_ref, w_ref, proj_ref, class_sq_ref, score_ref, nearest_ref,
-            acc_ref, sq_ref, dots_ref, *, dot_dtype):
+            acc_ref, sq_ref, dots_ref, *, dot_dtype, num_classes):
     n, k = pl.program_id(1), pl.program_id(2)
     last_n, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
 
@@ -56,16 +57,19 @@ def _kernel(x_ref, center_ref, w_ref, proj_ref, class_sq_ref, score_ref, nearest
 
     @pl.when((n == last_n) & (k == last_k))
     def _():
-        sq = sq_ref[...]
-        distances = sq - 2.0 * dots_ref[...] + class_sq_ref[...]
-        # A NaN row scores NaN and still names class 0, never a padding column.
-        nan_row = sq != sq
-        best = jnp.where(nan_row, sq, jnp.min(distances, axis=1, keepdims=True))
+        distances = sq_ref[...] - 2.0 * dots_ref[...] + class_sq_ref[...]
         classes = jax.lax.broadcasted_iota(jnp.int32, distances.shape, 1)
-        is_best = (distances == best) | nan_row
+        real = classes < num_classes
+        # As torch.min: a NaN distance (a NaN row, or inf - inf) wins and its class is the
+        # nearest; never a padding column.
+        is_nan = (distances != distances) & real
+        has_nan = jnp.max(is_nan.astype(jnp.int32), axis=1, keepdims=True) > 0
+        best = jnp.min(jnp.where(real, distances, jnp.inf), axis=1, keepdims=True)
+        best = jnp.where(has_nan, jnp.nan, best)
+        is_best = jnp.where(has_nan, is_nan, distances == best) & real
         first = jnp.min(jnp.where(is_best, classes, distances.shape[1]), axis=1, keepdims=True)
         score_ref[...] = jnp.where(best < 0.0, 0.0, best)
-        nearest_ref[...] = first
+        nearest_ref[...] = jnp.minimum(first, num_classes - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "block_cols"))
@@ -75,14 +79,18 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq, *, interpret=None
 
     x ``[B, D]`` (float32, bfloat16 or float16), center ``[D]``, whitener ``[D, D]``,
     class_proj ``[C, D]``, class_sq ``[C]`` (float32). Returns float32 ``[B]`` scores (clamped at
-    0) and int32 ``[B]`` nearest classes. float16/bfloat16 ``x`` is multiplied in its own
-    precision with float32 accumulation.
+    0) and int32 ``[B]`` nearest classes. bfloat16 ``x`` multiplies in bfloat16 with float32
+    accumulation; float16 in float32 (a whitener's entries, 1 / sigma, can overflow float16).
     """
     if x.dtype == jnp.float64:
         raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
     b, d = x.shape
     c = class_proj.shape[0]
-    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    if c > MAX_CLASSES:
+        raise NotImplementedError(f"pallas: at most {MAX_CLASSES} classes (the class terms live in VMEM), got {c}")
+    if b == 0:
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+    dot_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     rows = min(block_rows, round_up(b, 16))
     bp, dp, cp = round_up(b, rows), round_up(d, LANES), round_up(c, LANES)
     cols = _block(dp, block_cols)
@@ -94,7 +102,7 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq, *, interpret=None
     class_sq = jnp.pad(class_sq.astype(jnp.float32), (0, cp - c), constant_values=jnp.inf)[None, :]
 
     score, nearest = pl.pallas_call(
-        functools.partial(_kernel, dot_dtype=dot_dtype),
+        functools.partial(_kernel, dot_dtype=dot_dtype, num_classes=c),
         grid=(bp // rows, dp // cols, dp // cols),
         in_specs=[
             pl.BlockSpec((rows, cols), lambda i, n, k: (i, k)),

@@ -40,12 +40,18 @@ def backend_params(op: str, exclude=()):
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = "") -> None:
-    """max |out - expected| / max |expected| within the tolerance for inputs of ``dtype``."""
+    """Within the tolerance for inputs of ``dtype``: max |out - expected| / max |expected|, and
+    element by element relative to |expected| (floored at 1% of the largest, so that small
+    values are held to account without demanding more than the dtype gives near zero)."""
     assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(out).all(), f"{what}: non-finite values"
     err = relative_error(out, expected)
     tol = TOLERANCES[dtype][0] * scale
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} for {dtype}"
+    if expected.numel():
+        floor = 0.01 * expected.abs().max()
+        worst = ((out.to(expected.dtype) - expected).abs() / (expected.abs() + floor).clamp_min(1e-30)).max().item()
+        assert worst <= tol, f"{what}: element-wise relative error {worst:.3e} > {tol:.1e} for {dtype}"
 
 
 def run_opcheck(op, args, kwargs=None) -> None:

@@ -32,15 +32,15 @@ class _RemovedOverload:
         raise RuntimeError(f"{self.name} does not exist in torch {torch.__version__}")
 
 
-def _needs_import_shim() -> bool:
-    # torchax <= 0.0.13 names the named-tensor overloads that torch 2.13 removed.
+def _needs_import_shim(torch_version: str | None = None, torchax_version: str | None = None) -> bool:
+    """torchax <= 0.0.13 names the named-tensor overloads that torch 2.13 removed."""
     from importlib.metadata import version
 
     from packaging.version import Version
 
-    return Version(torch.__version__.split("+")[0]) >= Version("2.13") and Version(
-        version("torchax")
-    ) <= Version("0.0.13")
+    torch_version = torch_version or torch.__version__
+    torchax_version = torchax_version or version("torchax")
+    return Version(torch_version.split("+")[0]) >= Version("2.13") and Version(torchax_version) <= Version("0.0.13")
 
 
 @contextlib.contextmanager
@@ -75,21 +75,28 @@ def environment():
     return env
 
 
-def _jax_implementations(**by_backend):
-    """One op implementation for torchax tensors from JAX functions of arrays, by backend name."""
+def _jax_implementations(check, **by_backend):
+    """One op implementation for torchax tensors from JAX functions of arrays, by backend name.
+
+    ``check(*tensors)`` validates the inputs as the op's device kernels do; the backend comes from
+    ``implementation=``, ``use_backend``, ``TORCH_KERNELS_BACKEND`` or the default (pallas).
+    """
     from torchax.interop import j2t_autograd, torch_view
+
+    from . import backends
 
     wrapped = {name: j2t_autograd(torch_view(fn)) for name, fn in by_backend.items()}
 
     def impl(*args, implementation=None):
         if args and (args[-1] is None or isinstance(args[-1], str)):  # the schema's last argument
             *args, implementation = args
-        names = implementation.split(",") if implementation else ["pallas"]
-        for name in names:
+        check(*args)
+        order, _ = backends.resolve("jax", implementation)
+        for name in order:
             if name in wrapped:
                 return wrapped[name](*args)
         raise NotImplementedError(
-            f"implementation: torchax tensors run {sorted(wrapped)}, not {implementation!r}"
+            f"implementation: torchax tensors run {sorted(wrapped)}, not {','.join(order)!r}"
         )
 
     return impl
@@ -99,7 +106,10 @@ def register(env) -> None:
     """Register the JAX implementations of every op with torchax environment ``env``."""
     from jax_impl import ood
 
+    from .ops import ood as ood_op
+
     env.override_op_definition(
         torch.ops.torch_kernels.mahalanobis_score.default,
-        _jax_implementations(pallas=ood.mahalanobis_score, reference=ood.mahalanobis_score_reference),
+        _jax_implementations(ood_op.check_inputs, pallas=ood.mahalanobis_score,
+                             reference=ood.mahalanobis_score_reference),
     )

@@ -16,8 +16,9 @@ Which backends a call tries, first match wins:
 2. the innermost :func:`use_backend` context;
 3. the ``TORCH_KERNELS_BACKEND`` environment variable (comma-separated names);
 4. the inputs' device: cpu -> reference; cuda -> triton, reference; xpu -> sycl, triton, reference;
-   torchax ('jax') tensors never reach this registry: torchax runs the op's JAX implementation
-   (see ``torch_kernels._torchax``), which is the Pallas kernel.
+   torchax ('jax') tensors -> pallas, reference. Torchax tensors never reach the kernels
+   registered here: torchax runs the op's JAX implementation of the chosen name (pallas, or
+   reference in plain jnp; see ``torch_kernels._torchax``).
 
 An explicit choice (1-3) is tried in the order given and nothing else: if every named backend is
 unavailable or raises ``NotImplementedError`` for these inputs, the call fails and says why. The
@@ -57,6 +58,7 @@ DEVICE_DEFAULTS = {
     "cpu": ("reference",),
     "cuda": ("triton", "reference"),
     "xpu": ("sycl", "triton", "reference"),
+    "jax": ("pallas", "reference"),  # torchax tensors (their JAX implementations)
 }
 
 log = logging.getLogger("torch_kernels")

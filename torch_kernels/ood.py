@@ -77,8 +77,8 @@ class MahalanobisScorer(torch.nn.Module):
         super().__init__()
         if covariance not in COVARIANCE_ESTIMATORS:
             raise ValueError(f"covariance: expected one of {COVARIANCE_ESTIMATORS}, got {covariance!r}")
-        if not isinstance(ridge, (int, float)) or isinstance(ridge, bool) or not ridge >= 0.0:
-            raise ValueError(f"ridge: expected a float >= 0, got {ridge!r}")
+        if not isinstance(ridge, (int, float)) or isinstance(ridge, bool) or not 0.0 <= ridge < float("inf"):
+            raise ValueError(f"ridge: expected a finite float >= 0, got {ridge!r}")
         self.covariance = covariance
         self.ridge = float(ridge)
         for name in ("means_", "covariance_", "precision_", "whitener_", "shrinkage_"):
@@ -89,7 +89,16 @@ class MahalanobisScorer(torch.nn.Module):
 
     @property
     def fitted(self) -> bool:
+        """Whether ``fit`` (or ``load_state_dict``) has given the scorer its statistics."""
         return self.whitener_.numel() > 0
+
+    def _apply(self, fn, recurse=True):
+        # .half(), .double() or .to(dtype) on a model holding a scorer must not round the fitted
+        # statistics (float64, and the float32 copies scoring reads): they only follow the device.
+        def move_only(t):
+            return t.to(device=fn(t).device)
+
+        return super()._apply(move_only, recurse)
 
     def extra_repr(self) -> str:
         shape = f", classes={self.means_.shape[0]}, features={self.means_.shape[1]}" if self.fitted else ""
@@ -110,6 +119,8 @@ class MahalanobisScorer(torch.nn.Module):
                 _checks.tensor("labels", lab, ndim=1, dtypes=(torch.int64, torch.int32, torch.int16, torch.uint8))
                 if lab.numel() and lab.min() < 0:
                     raise ValueError(f"labels: expected class ids >= 0, got {lab.min().item()} in batch {i}")
+            if not any(lab.numel() for lab in label_list):
+                raise ValueError("labels: expected at least one label, got none")
             num_classes = int(max(lab.max().item() for lab in label_list if lab.numel())) + 1
         else:
             label_list = None
@@ -245,4 +256,11 @@ class MahalanobisScorer(torch.nn.Module):
         scores = self.score(features).to(torch.float64)
         if scores.numel() == 0:
             raise ValueError("features: expected at least one row, got none")
-        return torch.quantile(scores, tpr).item()
+        if not torch.isfinite(scores).all():
+            raise ValueError("features: NaN or inf features give scores no threshold can be taken from")
+        # torch.quantile's linear interpolation, by sorting (quantile refuses over 2**24 rows)
+        ordered = scores.sort().values
+        position = tpr * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return (ordered[low] + (position - low) * (ordered[high] - ordered[low])).item()

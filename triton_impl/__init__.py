@@ -2,7 +2,9 @@
 
 Each kernel is written once with ``@triton.jit``. Launchers run it compiled on GPU tensors and
 under the Triton interpreter on CPU tensors (for tests), choosing per call by the tensors'
-device, so one process can do both. ``compile_for`` builds a kernel ahead of time for a GPU
+device, so one process can do both (interpreted launches patch ``triton.language`` for the whole
+process while they run, as Triton's interpreter does, so keep them off threads that compile GPU
+kernels at the same moment). ``compile_for`` builds a kernel ahead of time for a GPU
 architecture without a GPU, which the tests use to prove every kernel compiles for real devices.
 """
 

@@ -21,6 +21,8 @@ MAX_CLASSES = 256  # the class dot products live in registers: [BLOCK_B, BLOCK_C
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """Tile sizes of one launch: rows per program, output columns and inner dimension per step."""
+
     block_b: int = 64
     block_n: int = 64
     block_k: int = 64
@@ -43,6 +45,7 @@ def mahalanobis_min_kernel(
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    """Scores and nearest classes of rows ``[pid * BLOCK_B, (pid + 1) * BLOCK_B)`` (module docstring)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < B
     classes = tl.arange(0, BLOCK_C)
@@ -73,25 +76,29 @@ def mahalanobis_min_kernel(
         dots = tl.dot(acc, tl.trans(proj), dots, input_precision="ieee")
     class_sq = tl.load(class_sq_ptr + classes, mask=class_mask, other=float("inf"))
     distances = sq[:, None] - 2.0 * dots + class_sq[None, :]
+    # As torch.min: a NaN distance (a NaN row, or inf - inf) wins and its class is the nearest.
+    # tl.min and tl.maximum may drop NaNs, so NaN is tracked by hand; no index past C comes out.
+    is_nan = (distances != distances) & class_mask[None, :]
+    has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
     best = tl.min(distances, axis=1)
-    # A NaN row must score NaN (min and maximum may drop NaNs) and still name a class in range.
-    nan_row = sq != sq
-    best = tl.where(nan_row, sq, best)
-    is_best = (distances == best[:, None]) | nan_row[:, None]
-    nearest = tl.min(tl.where(is_best & class_mask[None, :], classes[None, :], BLOCK_C), axis=1)
+    best = tl.where(has_nan, float("nan"), best)
+    is_best = tl.where(has_nan[:, None], is_nan, distances == best[:, None]) & class_mask[None, :]
+    nearest = tl.minimum(tl.min(tl.where(is_best, classes[None, :], BLOCK_C), axis=1), C - 1)
     tl.store(score_ptr + rows, tl.where(best < 0.0, 0.0, best), mask=row_mask)
     tl.store(nearest_ptr + rows, nearest.to(tl.int64), mask=row_mask)
 
 
 def block_classes(c: int) -> int:
+    """The class dimension of the register tile: a power of two >= C, at least 16 (for tl.dot)."""
     return max(16, triton.next_power_of_2(c))
 
 
 def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | None = None):
     """The fused kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
 
-    Contract: ``torch_kernels.reference.ood.mahalanobis_min``. float16/bfloat16 ``x`` is
-    multiplied with the whitener rounded to x's dtype (float32 accumulation) on a GPU.
+    Contract: ``torch_kernels.reference.ood.mahalanobis_min``. On a GPU float32 and float16
+    ``x`` multiply in float32 (tf32x3); bfloat16 ``x`` with the whitener rounded to bfloat16,
+    accumulating in float32.
     """
     if x.dtype == torch.float64:
         raise NotImplementedError("triton: float64 inputs are not supported")
@@ -100,8 +107,9 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | 
     if c > MAX_CLASSES:
         raise NotImplementedError(f"triton: at most {MAX_CLASSES} classes, got {c}")
     interpreted = x.device.type == "cpu"
-    # The interpreter mishandles bfloat16 arithmetic, so it multiplies in float32.
-    dot_f32 = interpreted or x.dtype == torch.float32
+    # float16 multiplies in float32: a whitener's entries (1 / sigma) can overflow float16.
+    # The interpreter mishandles bfloat16 arithmetic, so it multiplies in float32 too.
+    dot_f32 = interpreted or x.dtype != torch.bfloat16
     whitener = whitener.to(torch.float32 if dot_f32 else x.dtype).contiguous()
     config = config or default_config(b, d, c)
     score = torch.empty(b, dtype=torch.float32, device=x.device)
@@ -120,7 +128,7 @@ def compile_targets(dtype: torch.dtype, c: int = 1):
     """(signature, constexprs, num_warps) to build the kernel ahead of time for ``dtype`` x."""
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     x_type = "*" + names[dtype]
-    w_type = "*fp32" if dtype == torch.float32 else x_type
+    w_type = x_type if dtype == torch.bfloat16 else "*fp32"
     signature = {
         "x_ptr": x_type, "center_ptr": "*fp32", "w_ptr": w_type, "proj_ptr": "*fp32",
         "class_sq_ptr": "*fp32", "score_ptr": "*fp32", "nearest_ptr": "*i64",
@@ -131,6 +139,6 @@ def compile_targets(dtype: torch.dtype, c: int = 1):
     config = default_config(4096, 1024, c)
     constexprs = {
         "BLOCK_B": config.block_b, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-        "BLOCK_C": block_classes(c), "DOT_F32": dtype == torch.float32,
+        "BLOCK_C": block_classes(c), "DOT_F32": dtype != torch.bfloat16,
     }
     return signature, constexprs, config.num_warps
