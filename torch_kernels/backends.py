@@ -62,6 +62,8 @@ DEVICE_DEFAULTS = {
 }
 
 log = logging.getLogger("torch_kernels")
+_REFERENCE_ONLY = ("reference",)
+_profiler = torch.autograd.profiler
 
 
 def _probe_reference() -> str | None:
@@ -191,7 +193,7 @@ def resolve(device_type: str, implementation: str | None) -> tuple[tuple[str, ..
             explicit = _parse(env, ENV_VAR)
     if explicit is not None:
         return explicit, True
-    return DEVICE_DEFAULTS.get(device_type, ("reference",)), False
+    return DEVICE_DEFAULTS.get(device_type, _REFERENCE_ONLY), False
 
 
 # op name -> backend name -> callable, or "module:function" until first use
@@ -247,14 +249,17 @@ def last_backend(op: str) -> str | None:
 
 def dispatch(op: str, device_type: str, implementation: str | None, *args):
     """Run ``op``'s kernel on the first usable backend for this call; see the module docstring."""
-    order, explicit = resolve(device_type, implementation)
+    if implementation is None and _context.get() is None and _env_setting() is None:
+        order, explicit = DEVICE_DEFAULTS.get(device_type, _REFERENCE_ONLY), False  # resolve(), inlined
+    else:
+        order, explicit = resolve(device_type, implementation)
     why: list[str] = []
-    for backend, fn, reason in _plan(op, order):
+    for backend, fn, reason in _plans.get((op, order)) or _plan(op, order):
         if fn is None:
             why.append(f"{backend}: {reason}")
             continue
         try:
-            if torch.autograd.profiler._is_profiler_enabled:
+            if _profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"torch_kernels::{op}[{backend}]"):
                     out = fn(*args)
             else:

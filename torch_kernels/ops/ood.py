@@ -33,9 +33,8 @@ def check_inputs(x, means, whitener) -> None:
             and param_dtypes is not None and means.dtype in param_dtypes and whitener.dtype in param_dtypes
             and x.device == means.device == whitener.device):
         return
-    x_dtype = x.dtype
-    param_dtypes = (torch.float64,) if x_dtype == torch.float64 else (x_dtype, torch.float32)
     _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    param_dtypes = _PARAM_DTYPES[x.dtype]
     _checks.tensor("means", means, ndim=2, dtypes=param_dtypes)
     _checks.tensor("whitener", whitener, ndim=2, dtypes=param_dtypes)
     d = x.shape[1]
