@@ -223,6 +223,17 @@ def test_backend_gradients_one_class_and_half_precision(backend, dtype, shape):
         assert_close(got.float(), w.float(), dtype, scale=10, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("backend, classes", [("triton", 300), ("pallas", 1100), ("sycl", 20000)])
+def test_class_count_beyond_a_backend_passes_to_the_next(backend, classes):
+    require_backend(backend)
+    x, means, whitener = _inputs(22, torch.float32, (3, 4, classes))
+    out = torch_kernels.mahalanobis_score(x, means, whitener, implementation=[backend, "reference"])
+    assert backends.last_backend(OP) == "reference"
+    torch.testing.assert_close(out, torch_kernels.mahalanobis_score(x, means, whitener, implementation="reference"))
+    with pytest.raises(RuntimeError, match=f"{backend}: .*{classes}"):
+        torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend)
+
+
 def test_higher_order_gradients_float64():
     x, means, whitener = _inputs(16, torch.float64, (5, 4, 2))
     args = tuple(t.clone().requires_grad_() for t in (x, means, whitener))
