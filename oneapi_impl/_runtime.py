@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import pathlib
 import shutil
@@ -118,10 +119,7 @@ def usm_empty(shape: tuple[int, ...], dtype: torch.dtype):
     """(USM allocation, a torch CPU tensor viewing it). The tensor keeps the allocation alive."""
     import dpctl.memory
 
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     memory = dpctl.memory.MemoryUSMShared(max(nbytes, 1), queue=host_queue())
     view = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8)[:nbytes]).view(dtype).view(shape)
     return memory, view

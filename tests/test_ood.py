@@ -241,13 +241,15 @@ def test_higher_order_gradients_float64():
 
 
 def test_backward_follows_the_backend_of_its_forward():
+    require_backend("sycl")  # any backend but the cpu default would do
     x, means, whitener = _inputs(17, torch.float32, (6, 5, 2))
     xg = x.clone().requires_grad_()
-    with torch_kernels.use_backend("sycl" if backends.unavailable_reason("sycl") is None else "reference"):
-        chosen = backends.resolve("cpu", None)[0]
+    with torch_kernels.use_backend("sycl"):
         out = torch_kernels.mahalanobis_score(xg, means, whitener)
-    out.sum().backward()  # outside the block
-    assert backends.last_backend(OP) == chosen[0]
+    torch_kernels.mahalanobis_score(x, means, whitener)  # the default, reference, runs in between
+    assert backends.last_backend(OP) == "reference"
+    out.sum().backward()  # outside the block: recomputes the nearest classes on sycl
+    assert backends.last_backend(OP) == "sycl"
 
 
 def test_non_contiguous_x_under_compile_and_opcheck():

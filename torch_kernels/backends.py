@@ -184,13 +184,14 @@ def _env_setting() -> str | None:
 
 def resolve(device_type: str, implementation: str | None) -> tuple[tuple[str, ...], bool]:
     """The backends to try for a call on ``device_type`` and whether that order was explicit."""
-    explicit = _parse(implementation, "implementation")
-    if explicit is None:
+    if implementation is not None:
+        explicit = _parse(implementation, "implementation")
+    else:  # the common call: no argument, context or variable, nothing parsed
         explicit = _context.get()
-    if explicit is None:
-        env = _env_setting()
-        if env:
-            explicit = _parse(env, ENV_VAR)
+        if explicit is None:
+            env = _env_setting()
+            if env:
+                explicit = _parse(env, ENV_VAR)
     if explicit is not None:
         return explicit, True
     return DEVICE_DEFAULTS.get(device_type, _REFERENCE_ONLY), False
@@ -249,12 +250,9 @@ def last_backend(op: str) -> str | None:
 
 def dispatch(op: str, device_type: str, implementation: str | None, *args):
     """Run ``op``'s kernel on the first usable backend for this call; see the module docstring."""
-    if implementation is None and _context.get() is None and _env_setting() is None:
-        order, explicit = DEVICE_DEFAULTS.get(device_type, _REFERENCE_ONLY), False  # resolve(), inlined
-    else:
-        order, explicit = resolve(device_type, implementation)
+    order, explicit = resolve(device_type, implementation)
     why: list[str] = []
-    for backend, fn, reason in _plans.get((op, order)) or _plan(op, order):
+    for backend, fn, reason in _plan(op, order):
         if fn is None:
             why.append(f"{backend}: {reason}")
             continue

@@ -96,7 +96,8 @@ class MahalanobisScorer(torch.nn.Module):
         # .half(), .double() or .to(dtype) on a model holding a scorer must not round the fitted
         # statistics (float64, and the float32 copies scoring reads): they only follow the device.
         def move_only(t):
-            return t.to(device=fn(t).device)
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
 
         return super()._apply(move_only, recurse)
 

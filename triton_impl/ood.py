@@ -93,6 +93,15 @@ def block_classes(c: int) -> int:
     return max(16, triton.next_power_of_2(c))
 
 
+def dot_in_float32(dtype: torch.dtype, interpreted: bool = False) -> bool:
+    """Whether the whitening GEMM multiplies in float32 (tf32x3) rather than in x's dtype.
+
+    float16 does: a whitener's entries (1 / sigma) can overflow it. The interpreter mishandles
+    bfloat16 arithmetic, so there bfloat16 does too.
+    """
+    return interpreted or dtype != torch.bfloat16
+
+
 def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | None = None):
     """The fused kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
 
@@ -106,10 +115,7 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | 
     c = class_proj.shape[0]
     if c > MAX_CLASSES:
         raise NotImplementedError(f"triton: at most {MAX_CLASSES} classes, got {c}")
-    interpreted = x.device.type == "cpu"
-    # float16 multiplies in float32: a whitener's entries (1 / sigma) can overflow float16.
-    # The interpreter mishandles bfloat16 arithmetic, so it multiplies in float32 too.
-    dot_f32 = interpreted or x.dtype != torch.bfloat16
+    dot_f32 = dot_in_float32(x.dtype, interpreted=x.device.type == "cpu")
     whitener = whitener.to(torch.float32 if dot_f32 else x.dtype).contiguous()
     config = config or default_config(b, d, c)
     score = torch.empty(b, dtype=torch.float32, device=x.device)
@@ -128,7 +134,7 @@ def compile_targets(dtype: torch.dtype, c: int = 1):
     """(signature, constexprs, num_warps) to build the kernel ahead of time for ``dtype`` x."""
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     x_type = "*" + names[dtype]
-    w_type = x_type if dtype == torch.bfloat16 else "*fp32"
+    w_type = "*fp32" if dot_in_float32(dtype) else x_type
     signature = {
         "x_ptr": x_type, "center_ptr": "*fp32", "w_ptr": w_type, "proj_ptr": "*fp32",
         "class_sq_ptr": "*fp32", "score_ptr": "*fp32", "nearest_ptr": "*i64",
@@ -139,6 +145,6 @@ def compile_targets(dtype: torch.dtype, c: int = 1):
     config = default_config(4096, 1024, c)
     constexprs = {
         "BLOCK_B": config.block_b, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-        "BLOCK_C": block_classes(c), "DOT_F32": dtype != torch.bfloat16,
+        "BLOCK_C": block_classes(c), "DOT_F32": dot_in_float32(dtype),
     }
     return signature, constexprs, config.num_warps
