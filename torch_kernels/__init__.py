@@ -9,6 +9,7 @@ first use and report themselves unavailable, with the reason, when those are mis
 from . import backends
 from .backends import available_backends, unavailable_reasons, use_backend
 from .ops.ood import mahalanobis_score
+from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
 from . import ood
 
 
@@ -29,6 +30,8 @@ __all__ = [
     "unavailable_reasons",
     "use_backend",
     "mahalanobis_score",
+    "ragged_paged_attention",
+    "reshape_and_cache",
     "ood",
     "torchax_environment",
 ]

@@ -1,0 +1,386 @@
+"""``torch_kernels::reshape_and_cache`` and ``torch_kernels::ragged_paged_attention``.
+
+vLLM's flash layout: caches ``[num_blocks, block_size, Hkv, D]``, a slot is
+``block * block_size + offset``, sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``
+and reads its pages through ``block_table[s]``. Both ops are inference-only and mutate the caches
+in place (declared in their schemas, so torch.compile functionalizes them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from .. import _checks, backends
+from .._library import define
+from ..reference import paged_attention as reference
+
+WRITE_OP = "reshape_and_cache"
+OP = "ragged_paged_attention"
+
+for _op in (WRITE_OP, OP):
+    backends.register(_op, "reference", getattr(reference, _op))
+    backends.register(_op, "triton", f"triton_impl.paged_attention:{_op}")
+    backends.register(_op, "pallas", f"torch_kernels._jax_interop:pallas_{_op}")
+    backends.register(_op, "sycl", f"oneapi_impl.paged_attention:{_op}")
+
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPE = torch.int32
+
+
+def _check_cache_pair(key_cache, value_cache, query_dtype) -> None:
+    _checks.tensor("key_cache", key_cache, ndim=4)
+    _checks.tensor("value_cache", value_cache, ndim=4)
+    allowed = (query_dtype, *reference.QUANTIZED_DTYPES)
+    _checks.tensor("key_cache", key_cache, dtypes=allowed)
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache: expected dtype {key_cache.dtype} (as key_cache), got {value_cache.dtype}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected shape {tuple(key_cache.shape)} (as key_cache), "
+                         f"got {tuple(value_cache.shape)}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not cache.is_contiguous():  # a copy would lose the write
+            raise ValueError(f"{name}: expected a contiguous tensor (it is written in place), got strides {cache.stride()}")
+    if min(key_cache.shape) == 0:
+        raise ValueError(f"key_cache: expected no empty dimension, got shape {tuple(key_cache.shape)}")
+
+
+def _check_scale(name: str, scale, num_kv_heads: int) -> None:
+    if scale is None:
+        return
+    _checks.tensor(name, scale, dtypes=(torch.float32,))
+    if scale.numel() not in (1, num_kv_heads) or scale.dim() > 1:
+        raise ValueError(f"{name}: expected one float32 scale or one per kv head ([{num_kv_heads}]), "
+                         f"got shape {tuple(scale.shape)}")
+
+
+def _check_new_tokens(key, value, slot_mapping, num_tokens, key_cache, dtypes) -> None:
+    _checks.tensor("key", key, ndim=3, dtypes=dtypes)
+    _checks.tensor("value", value, ndim=3, dtypes=(key.dtype,))
+    _checks.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
+    _, _, num_kv_heads, head_size = key_cache.shape
+    expected = (num_tokens, num_kv_heads, head_size)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected} (tokens, key_cache's kv heads and head size), "
+                             f"got {tuple(t.shape)}")
+    _checks.size("slot_mapping", 0, slot_mapping.shape[0], num_tokens, "tokens")
+
+
+def check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Shapes, dtypes and devices of a ``reshape_and_cache`` call (no data read)."""
+    _checks.tensor("key", key, ndim=3, dtypes=QUERY_DTYPES)
+    _check_cache_pair(key_cache, value_cache, key.dtype)
+    _check_new_tokens(key, value, slot_mapping, key.shape[0], key_cache, QUERY_DTYPES)
+    _check_scale("k_scale", k_scale, key_cache.shape[2])
+    _check_scale("v_scale", v_scale, key_cache.shape[2])
+    _checks.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                        slot_mapping=slot_mapping, **_present(k_scale=k_scale, v_scale=v_scale))
+
+
+def _present(**tensors):
+    return {name: t for name, t in tensors.items() if t is not None}
+
+
+def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                 sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                 slot_mapping=None) -> None:
+    """Shapes, dtypes, devices and scalars of a ``ragged_paged_attention`` call (no data read)."""
+    _checks.tensor("query", query, ndim=3, dtypes=QUERY_DTYPES)
+    _check_cache_pair(key_cache, value_cache, query.dtype)
+    num_tokens, num_q_heads, head_size = query.shape
+    _, _, num_kv_heads, cache_head_size = key_cache.shape
+    _checks.size("key_cache", 3, cache_head_size, head_size, "head size D of query")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: expected a number of heads divisible by key_cache's {num_kv_heads} kv heads, "
+                         f"got {num_q_heads}")
+    _checks.tensor("cu_q_lens", cu_q_lens, ndim=1, dtypes=(INDEX_DTYPE,))
+    _checks.tensor("kv_lens", kv_lens, ndim=1, dtypes=(INDEX_DTYPE,))
+    _checks.tensor("block_table", block_table, ndim=2, dtypes=(INDEX_DTYPE,))
+    num_seqs = kv_lens.shape[0]
+    _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], num_seqs + 1, "sequences S of kv_lens, plus one")
+    _checks.size("block_table", 0, block_table.shape[0], num_seqs, "sequences S of kv_lens")
+    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0 or math.isinf(soft_cap)):
+        raise ValueError(f"soft_cap: expected None or a finite number > 0, got {soft_cap!r}")
+    _check_scale("k_scale", k_scale, num_kv_heads)
+    _check_scale("v_scale", v_scale, num_kv_heads)
+    given = [t is not None for t in (key, value, slot_mapping)]
+    if any(given) and not all(given):
+        raise ValueError("key, value, slot_mapping: expected all three (to write new tokens first) or none, "
+                         f"got key={'given' if given[0] else None}, value={'given' if given[1] else None}, "
+                         f"slot_mapping={'given' if given[2] else None}")
+    if key is not None:
+        _check_new_tokens(key, value, slot_mapping, num_tokens, key_cache, (query.dtype,))
+    _checks.same_device(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
+                        kv_lens=kv_lens, block_table=block_table,
+                        **_present(k_scale=k_scale, v_scale=v_scale, key=key, value=value, slot_mapping=slot_mapping))
+
+
+def _raise_first(failures) -> None:
+    for failed, message in failures:
+        if failed:
+            raise ValueError(message())
+
+
+def check_slots(slot_mapping, key_cache) -> None:
+    """Every slot is -1 (padding) or inside the cache, and no two tokens share one."""
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_mapping[slot_mapping >= 0]
+    ordered = slots.sort().values
+    out_of_range = ((slot_mapping < -1) | (slot_mapping >= capacity)).any()
+    shared = (ordered[1:] == ordered[:-1]).any()
+    flags = torch.stack([out_of_range, shared]).tolist()  # one device sync for both
+    _raise_first([
+        (flags[0], lambda: "slot_mapping: expected -1 (padding) or a slot in [0, "
+                           f"{capacity}) (num_blocks * block_size), got {_first_bad(slot_mapping, (slot_mapping < -1) | (slot_mapping >= capacity))}"),
+        (flags[1], lambda: "slot_mapping: expected each slot at most once, got slot "
+                           f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice"),
+    ])
+
+
+def _first_bad(values, bad) -> str:
+    index = int(bad.nonzero()[0, 0])
+    return f"{int(values[index])} at index {index}"
+
+
+def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table) -> None:
+    """Lengths add up, every query row has its key, and every page read is inside the cache."""
+    num_tokens = query.shape[0]
+    num_blocks, block_size = key_cache.shape[:2]
+    num_seqs, max_blocks = block_table.shape
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pages = (kv_lens.long() + block_size - 1) // block_size
+    used = torch.arange(max_blocks, device=block_table.device) < pages[:, None]
+    bad_block = used & ((block_table < 0) | (block_table >= num_blocks))
+    tests = [
+        cu_q_lens[0] != 0,
+        (q_lens < 0).any(),
+        cu_q_lens[-1] != num_tokens,
+        (kv_lens < 0).any(),
+        (q_lens > kv_lens).any(),
+        (pages > max_blocks).any(),
+        bad_block.any(),
+    ]
+    flags = torch.stack(tests).tolist()  # one device sync for every test
+    _raise_first([
+        (flags[0], lambda: f"cu_q_lens: expected to start at 0, got {int(cu_q_lens[0])}"),
+        (flags[1], lambda: f"cu_q_lens: expected non-decreasing offsets, got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}"),
+        (flags[2], lambda: f"cu_q_lens: expected to end at the number of query tokens {num_tokens}, got {int(cu_q_lens[-1])}"),
+        (flags[3], lambda: f"kv_lens: expected lengths >= 0, got {_first_bad(kv_lens, kv_lens < 0)}"),
+        (flags[4], lambda: "kv_lens: expected each sequence's kv length to count its new query tokens too, "
+                           f"got kv length {_first_bad(kv_lens, q_lens > kv_lens)} below its query length "
+                           f"{int(q_lens[(q_lens > kv_lens).nonzero()[0, 0]])}"),
+        (flags[5], lambda: f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's {max_blocks} "
+                           f"pages of {block_size}), got {_first_bad(kv_lens, pages > max_blocks)}"),
+        (flags[6], lambda: f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses, "
+                           f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}"),
+    ])
+
+
+_ones: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _scales(scale, num_kv_heads: int, device) -> torch.Tensor:
+    """The kernels' form of a scale: float32 ``[Hkv]`` (ones for None)."""
+    if scale is None:
+        ones = _ones.get((device, num_kv_heads))
+        if ones is None:
+            ones = _ones[(device, num_kv_heads)] = torch.ones(num_kv_heads, device=device)
+        return ones
+    return scale.reshape(-1).expand(num_kv_heads).contiguous()
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return "cpu" if t.is_cpu else t.device.type
+
+
+def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
+    check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    check_slots(slot_mapping, key_cache)
+    heads, device = key_cache.shape[2], key.device
+    backends.dispatch(WRITE_OP, _device_type(key), implementation, key.contiguous(), value.contiguous(),
+                      key_cache, value_cache, slot_mapping.contiguous(),
+                      _scales(k_scale, heads, device), _scales(v_scale, heads, device))
+
+
+def _write_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
+    check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+reshape_and_cache_op = define(
+    "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None, str? implementation=None) -> ()",
+    _write_kernel,
+    _write_fake,
+)
+
+
+def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                      sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                      slot_mapping=None, implementation=None):
+    check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
+                 soft_cap, k_scale, v_scale, key, value, slot_mapping)
+    check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
+    if key is not None:
+        check_slots(slot_mapping, key_cache)
+        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
+    heads, device = key_cache.shape[2], query.device
+    return backends.dispatch(
+        OP, _device_type(query), implementation, query.contiguous(), key_cache, value_cache,
+        cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale), sliding_window,
+        None if soft_cap is None else float(soft_cap), _scales(k_scale, heads, device), _scales(v_scale, heads, device),
+        key, value, slot_mapping,
+    )
+
+
+def _attention_fake(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                    sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                    slot_mapping=None, implementation=None):
+    check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
+                 soft_cap, k_scale, v_scale, key, value, slot_mapping)
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+ragged_paged_attention_op = define(
+    "ragged_paged_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cu_q_lens, "
+    "Tensor kv_lens, Tensor block_table, float sm_scale, int? sliding_window=None, float? soft_cap=None, "
+    "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? key=None, Tensor? value=None, "
+    "Tensor? slot_mapping=None, str? implementation=None) -> Tensor",
+    _attention_kernel,
+    _attention_fake,
+)
+
+
+def visible_keys(q_lens: Sequence[int], kv_lens: Sequence[int], sliding_window: int | None = None) -> int:
+    """How many (query, key) pairs a batch attends over, summed over its sequences."""
+    total = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        first = kv_len - q_len  # position of the first new query
+        if sliding_window is None:  # position p sees p + 1 keys
+            total += q_len * (first + 1) + q_len * (q_len - 1) // 2
+        else:
+            total += sum(min(p + 1, sliding_window) for p in range(first, kv_len))
+    return total
+
+
+def attention_flops(num_q_heads: int, head_size: int, q_lens, kv_lens, sliding_window=None) -> int:
+    """QK^T and PV over the visible pairs: 4 * Hq * D per pair."""
+    return 4 * num_q_heads * head_size * visible_keys(q_lens, kv_lens, sliding_window)
+
+
+def attention_bytes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size: int, kv_lens,
+                    query_itemsize: int, cache_itemsize: int, sliding_window=None) -> int:
+    """What a call must move at least: each sequence's visible keys and values once, queries in, output out."""
+    keys = sum(kv if sliding_window is None else min(kv, sliding_window + num_tokens) for kv in kv_lens)
+    return 2 * keys * num_kv_heads * head_size * cache_itemsize + 2 * num_tokens * num_q_heads * head_size * query_itemsize
+
+
+@register_flop_formula(ragged_paged_attention_op.overloadpacket, get_raw=True)
+def _attention_flop_formula(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                            sliding_window=None, *args, out_val=None, **kwargs) -> int:
+    # FlopCounterMode hands over the real tensors (get_raw); lengths are read on the host.
+    cu = cu_q_lens.tolist()
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return attention_flops(query.shape[1], query.shape[2], q_lens, kv_lens.tolist(), sliding_window)
+
+
+def _check_tensors(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> None:
+    """Write new tokens' keys and values into a paged KV cache, in place.
+
+    Token ``t`` goes to slot ``slot_mapping[t]`` = ``block * block_size + offset``, i.e. to
+    ``key_cache[block, offset]``; slot ``-1`` marks a padding token, which is skipped. No other
+    cache entry changes.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, float16, bfloat16 or float32.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of key's dtype
+            or a quantized dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``).
+        slot_mapping: int64 ``[T]``; each slot at most once.
+        k_scale, v_scale: optional float32 scales, one (``[]`` or ``[1]``) or one per kv head
+            (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8 rounds half
+            to even and saturates, fp8 saturates). ``None`` means 1.
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+    """
+    _check_tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                   slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                         backends.implementation_arg(implementation))
+
+
+def ragged_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Causal attention for a ragged batch of sequences whose keys and values live in pages.
+
+    Sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``; they are its last positions,
+    and ``kv_lens[s]`` counts all its tokens, the new ones included. So one batch mixes decode
+    (one query), chunked prefill and whole prompts. A query at position ``p`` attends to key
+    positions ``j <= p`` (and ``j > p - sliding_window`` with a window), read from pages
+    ``block_table[s, j // block_size]`` at offset ``j % block_size``.
+
+    Args:
+        query: ``[T, Hq, D]``, float16, bfloat16 or float32; ``Hq`` a multiple of ``Hkv``
+            (grouped-query and multi-query attention).
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of query's dtype
+            or quantized (``int8``, ``float8_e4m3fn``, ``float8_e5m2``; see ``k_scale``).
+        cu_q_lens: int32 ``[S+1]``, query offsets, from 0 to ``T``.
+        kv_lens: int32 ``[S]``, each at least its query length.
+        block_table: int32 ``[S, max_blocks]``; entries past a sequence's last page are not read.
+        sm_scale: multiplies the logits (usually ``D ** -0.5``).
+        sliding_window: if given, each query sees its last ``sliding_window`` positions.
+        soft_cap: if given, logits become ``soft_cap * tanh(logits / soft_cap)`` (after ``sm_scale``).
+        k_scale, v_scale: float32 dequantization scales, one or one per kv head; a cache entry
+            means ``entry * scale``. ``None`` means 1.
+        key, value, slot_mapping: if given (``[T, Hkv, D]`` of query's dtype and int64 ``[T]``),
+            the new tokens are first written as :func:`reshape_and_cache` does, in the same kernel
+            where the backend allows it; the result equals that write followed by attention.
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+
+    Returns:
+        ``[T, Hq, D]`` in query's dtype. Softmax and accumulation are float32 on every backend.
+
+    Inputs are checked (lengths, page ids, slots) before any kernel runs; this reads the small
+    index tensors once on the host. Inference only: it has no backward.
+    """
+    _check_tensors(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
+                   kv_lens=kv_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                   key=key, value=value, slot_mapping=slot_mapping)
+    return ragged_paged_attention_op(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                                     sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
+                                     backends.implementation_arg(implementation))

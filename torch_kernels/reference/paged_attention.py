@@ -1,0 +1,168 @@
+"""Ragged paged attention and the KV-cache write in plain PyTorch.
+
+The kernel contract every backend follows (inputs already checked by ``torch_kernels.ops``):
+
+- ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)``
+  writes ``quantize(key[t], k_scale)`` to ``key_cache[slot // block_size, slot % block_size]``
+  for every ``slot = slot_mapping[t] >= 0`` (and the same for values), in place, touching
+  nothing else. Scales are float32 ``[Hkv]``.
+- ``ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
+  sm_scale, sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping)`` returns
+  ``[T, Hq, D]`` in query's dtype; when ``key`` is not None it first writes ``key``/``value``
+  as ``reshape_and_cache`` does (a backend may fuse the two).
+
+Numbers: a cache entry means ``float32(entry) * scale[kv_head]``; storing divides by the scale
+and rounds to the cache dtype (int8: round half to even and saturate; fp8: saturate to the
+largest finite value). Logits, softmax and the weighted sum are float32.
+Sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``, which are its last
+``q_len`` positions of ``kv_lens[s]``; a query at position ``p`` sees key positions ``j`` with
+``j <= p`` and, given a window ``w``, ``j > p - w``.
+
+``ragged_paged_attention_naive`` is the definition, written for reading (a loop over sequences).
+``ragged_paged_attention`` is the reference backend's kernel and the CPU default: flash-style
+tiles over padded sequences, with no Python loop over tokens or pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Elements of one logits tile [S, Hkv, group * q_tile, kv_tile]: about 128 MB of float32.
+_TILE_ELEMENTS = 1 << 25
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [..., Hkv, D] / scale [Hkv]`` rounded to cache dtype ``dtype``."""
+    y = x.float() / scale[:, None]
+    if dtype == torch.int8:
+        y = y.round().clamp(-128, 127)
+    elif dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        largest = torch.finfo(dtype).max
+        y = y.clamp(-largest, largest)
+    return y.to(dtype)
+
+
+def dequantize(entries: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of cache entries ``[..., Hkv, D]`` with per-kv-head ``scale [Hkv]``."""
+    return entries.float() * scale[:, None]
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Write each token's key and value to its slot; slot -1 (padding) is skipped."""
+    real = slot_mapping >= 0
+    slots = slot_mapping[real]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = quantize(key[real], k_scale, key_cache.dtype)
+    value_cache[blocks, offsets] = quantize(value[real], v_scale, value_cache.dtype)
+
+
+def _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale) -> None:
+    if key is not None:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Which key positions each query position sees: causal, within the window."""
+    seen = k_pos <= q_pos
+    if sliding_window is not None:
+        seen &= k_pos > q_pos - sliding_window
+    return seen
+
+
+def _capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    return logits if soft_cap is None else soft_cap * torch.tanh(logits / soft_cap)
+
+
+def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
+                                 sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
+                                 v_scale=None, key=None, value=None, slot_mapping=None):
+    """The definition: for each sequence, gather its pages, attend causally, one at a time."""
+    num_kv_heads = key_cache.shape[2]
+    k_scale = torch.ones(num_kv_heads) if k_scale is None else k_scale.float().expand(num_kv_heads)
+    v_scale = torch.ones(num_kv_heads) if v_scale is None else v_scale.float().expand(num_kv_heads)
+    _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+    block_size = key_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for s in range(len(kv_lens)):
+        start, end, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        if start == end:
+            continue
+        pages = block_table[s, : -(-kv_len // block_size)].long()
+        k = dequantize(key_cache[pages].flatten(0, 1)[:kv_len], k_scale).repeat_interleave(group, dim=1)
+        v = dequantize(value_cache[pages].flatten(0, 1)[:kv_len], v_scale).repeat_interleave(group, dim=1)
+        q = query[start:end].float()
+        logits = _capped(torch.einsum("qhd,khd->hqk", q, k) * sm_scale, soft_cap)
+        q_pos = torch.arange(kv_len - (end - start), kv_len)[:, None]
+        seen = _visible(q_pos, torch.arange(kv_len)[None, :], sliding_window)
+        weights = logits.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, v)
+    return out.to(query.dtype)
+
+
+def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
+    """The reference backend's kernel: online softmax over tiles of padded sequences.
+
+    Queries are laid out ``[S, Hkv, group, max_q_len]`` so each kv head's keys are gathered once
+    for its query heads; keys are gathered a tile of pages at a time. Tiles that no query of the
+    batch can see (above the diagonal, or outside every window) are skipped.
+    """
+    _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+    t, num_q_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    num_seqs = kv_lens.shape[0]
+    if t == 0 or num_seqs == 0:
+        return query.new_zeros(query.shape)
+    device = query.device
+    cu = cu_q_lens.long()
+    q_lens, kv = cu[1:] - cu[:-1], kv_lens.long()
+    max_q, max_kv = int(q_lens.max()), int(kv.max())
+
+    # padded query layout: [S, Hkv, group, max_q, D]; row r of sequence s is token cu[s] + r
+    rows = torch.arange(max_q, device=device)
+    token = cu[:-1, None] + rows
+    real_row = rows < q_lens[:, None]
+    q = query[token.clamp(max=t - 1)].float().view(num_seqs, max_q, num_kv_heads, group, head_size)
+    q = q.permute(0, 2, 3, 1, 4)
+    q_pos = (kv - q_lens)[:, None] + rows  # [S, max_q]
+
+    kv_tile = max(block_size, min(-(-max_kv // block_size) * block_size,
+                                  (_TILE_ELEMENTS // max(1, num_seqs * num_q_heads * max_q)) // block_size * block_size))
+    q_tile = max(1, min(max_q, _TILE_ELEMENTS // max(1, num_seqs * num_q_heads * kv_tile)))
+    pages_per_tile = kv_tile // block_size
+    out = torch.empty(num_seqs, num_kv_heads, group, max_q, head_size, device=device)
+    for q0 in range(0, max_q, q_tile):
+        q1 = min(max_q, q0 + q_tile)
+        qt, pos = q[:, :, :, q0:q1] * sm_scale, q_pos[:, q0:q1]
+        row_max = torch.full(qt.shape[:-1], float("-inf"), device=device)
+        row_sum = torch.zeros(qt.shape[:-1], device=device)
+        acc = torch.zeros(qt.shape, device=device)
+        # keys this query tile may see: up to its last position, from its first window start
+        hi = int((pos.masked_fill(~real_row[:, q0:q1], -1).max(dim=1).values + 1).clamp(min=0).max())
+        lo = 0 if sliding_window is None else max(0, int((pos[:, 0] - sliding_window + 1).min()))
+        for k0 in range(lo // kv_tile * kv_tile, hi, kv_tile):
+            page = torch.arange(k0 // block_size, k0 // block_size + pages_per_tile, device=device)
+            used = page[None, :] * block_size < kv[:, None]  # pages past kv_len may hold any id
+            ids = torch.where(used, block_table[:, page.clamp(max=block_table.shape[1] - 1)].long(), 0)
+            k = dequantize(key_cache[ids].flatten(1, 2), k_scale).permute(0, 2, 1, 3)  # [S, Hkv, kv_tile, D]
+            v = dequantize(value_cache[ids].flatten(1, 2), v_scale).permute(0, 2, 1, 3)
+            logits = _capped(qt @ k[:, :, None].transpose(-1, -2), soft_cap)  # [S, Hkv, group, qt, kv_tile]
+            k_pos = k0 + torch.arange(kv_tile, device=device)
+            seen = _visible(pos[:, :, None], k_pos, sliding_window) & (k_pos < kv[:, None, None])
+            logits = logits.masked_fill(~seen[:, None, None], float("-inf"))
+            new_max = torch.maximum(row_max, logits.amax(dim=-1))
+            safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows that see nothing yet
+            weights = torch.exp(logits - safe_max[..., None])
+            correction = torch.exp(row_max - safe_max)
+            row_sum = row_sum * correction + weights.sum(dim=-1)
+            acc = acc * correction[..., None] + weights @ v[:, :, None]
+            row_max = new_max
+        out[:, :, :, q0:q1] = acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    # back to token-major rows, keeping only the real ones
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, num_q_heads, head_size)
+    return out[real_row].to(query.dtype)

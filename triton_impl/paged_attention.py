@@ -1,0 +1,402 @@
+"""Ragged paged attention and the KV-cache write as Triton kernels.
+
+One attention kernel serves mixed batches. A program owns ``BLOCK_Q`` query tokens of one
+sequence and the query heads of one kv head (GQA rows share every key tile), finds its sequence
+by binary search over ``cu_q_lens``, and walks the visible key positions ``BLOCK_N`` at a time
+through the block table, with an online softmax in float32. A third grid axis splits the key
+range (flash-decoding): each split writes its partial output and log-sum-exp and a second kernel
+merges them, so that a few long decode sequences still fill the GPU.
+
+Quantized caches are widened in registers; their per-kv-head scales are folded into the logit
+scale (keys) and the output (values), so no per-element multiply is needed. With ``key`` and
+``value`` given, the kernel reads the new tokens' keys from those inputs (rounded through the
+cache dtype, exactly as stored) and writes them to the cache itself, so attention and the write
+are one launch. That needs each new token's slot to be the one its position has in the block table
+and no other sequence to read a page being written; otherwise the write runs first as its own
+launch (Triton has no grid-wide barrier to order them inside one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import for_device
+
+# cache dtype -> how the kernels round a float32 value to it
+_CACHE_KINDS = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.int8: 1,
+                torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes of one launch: query tokens and key positions per tile, key-range splits (a
+    power of two)."""
+    block_q: int
+    block_n: int = 64
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, max_kv: int,
+                   num_kv_heads: int, sm_count: int) -> Config:
+    """Heuristic: decode-heavy batches get 16 rows per program and split keys to fill the GPU."""
+    rows_per_token = triton.next_power_of_2(group)
+    decode = num_tokens <= 2 * num_seqs
+    rows = 16 if decode else (64 if head_size > 128 else 128)
+    block_q = max(1, rows // rows_per_token)
+    block_n = 32 if head_size > 128 else 64
+    programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    wanted = -(-2 * sm_count // max(1, programs))
+    num_splits = triton.next_power_of_2(max(1, min(wanted, 16, -(-max_kv // (4 * block_n)))))
+    return Config(block_q=block_q, block_n=block_n, num_splits=num_splits,
+                  num_warps=4 if rows * head_size <= 16 * 128 else 8)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """``x`` rounded half to even onto the fp8 values, still in float32 (so the cast after it is
+    exact; the interpreter's own fp8 cast does not carry a rounding into the next binade)."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exponent = tl.maximum(exponent, MIN_EXPONENT) - MANTISSA_BITS  # subnormals share the lowest
+    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((x / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2**23 rounds to an integer, half to even
+    return tl.where(rounded == 0.0, x * 0.0, rounded)  # keeps the sign of a zero
+
+
+@triton.jit
+def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
+    """float32 ``x`` (already divided by its scale) rounded to the cache dtype, as stored."""
+    if CACHE_KIND == 1:  # int8: round half to even, saturate
+        x = tl.minimum(tl.maximum(x, -128.0), 127.0)
+        x = (x + 12582912.0) - 12582912.0  # 1.5 * 2**23 rounds to an integer, half to even
+    elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value
+        if cache_dtype == tl.float8e4nv:
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+        else:
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -57344.0), 57344.0), 2, -14)
+    return x.to(cache_dtype)
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    HKV: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, CACHE_KIND: tl.constexpr,
+):
+    """Token ``program_id(0)``'s ``[Hkv, D]`` key and value to its slot (none for slot -1)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        heads = tl.arange(0, HP)
+        dims = tl.arange(0, DP)
+        mask = (heads[:, None] < HKV) & (dims[None, :] < D)
+        offsets = heads[:, None] * D + dims[None, :]
+        k_scale = tl.load(k_scale_ptr + heads, mask=heads < HKV, other=1.0)
+        v_scale = tl.load(v_scale_ptr + heads, mask=heads < HKV, other=1.0)
+        k = tl.load(key_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(value_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
+        cache_dtype = key_cache_ptr.dtype.element_ty
+        tl.store(key_cache_ptr + slot * HKV * D + offsets,
+                 _round_to_cache(k / k_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
+        tl.store(value_cache_ptr + slot * HKV * D + offsets,
+                 _round_to_cache(v / v_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
+
+
+@triton.jit
+def _sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q: tl.constexpr):
+    """The sequence owning query block ``block``: sequence s's blocks start at cu[s] // BLOCK_Q + s."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_q_lens_ptr + mid) // BLOCK_Q + mid <= block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact limits at +-inf, no libdevice needed
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_keys(cache_ptr, new_ptr, scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+               HKV: tl.constexpr, D: tl.constexpr, FUSED: tl.constexpr, CACHE_KIND: tl.constexpr):
+    """Raw cache entries of ``BLOCK_N`` key positions; new tokens (fused) from their inputs."""
+    cached = kv_ok
+    if FUSED:
+        cached = kv_ok & ~is_new
+    entries = tl.load(cache_ptr + (slot[:, None] * HKV + kv_head) * D + dims[None, :],
+                      mask=cached[:, None] & d_ok[None, :], other=0.0)
+    if FUSED:
+        fresh = tl.load(new_ptr + (new_row[:, None] * HKV + kv_head) * D + dims[None, :],
+                        mask=(kv_ok & is_new)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        stored = _round_to_cache(fresh / scale, CACHE_KIND, cache_ptr.dtype.element_ty)
+        entries = tl.where(is_new[:, None], stored, entries)
+    return entries
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr,
+    k_scale_ptr, v_scale_ptr, key_ptr, value_ptr, slot_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+    sm_scale, soft_cap, sliding_window, num_seqs, num_tokens, block_table_stride,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Attention of one (query block, kv head, key split); see the module docstring."""
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q)
+    q_begin = tl.load(cu_q_lens_ptr + seq)
+    q_end = tl.load(cu_q_lens_ptr + seq + 1)
+    q_start = q_begin + (block - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_start < q_end:
+        kv_len = tl.load(kv_lens_ptr + seq)
+        context = kv_len - (q_end - q_begin)  # positions before the new tokens
+
+        # rows: BLOCK_Q tokens x GP heads (the G query heads of this kv head, padded)
+        rows = tl.arange(0, BLOCK_Q * GP)
+        token = q_start + rows // GP
+        head = kv_head * G + rows % GP
+        row_ok = (token < q_end) & (rows % GP < G)
+        q_pos = context + token - q_begin
+        dims = tl.arange(0, DP)
+        d_ok = dims < D
+        q = tl.load(q_ptr + (token.to(tl.int64)[:, None] * HQ + head[:, None]) * D + dims[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+
+        # key positions any row of this block sees, in whole tiles, split NUM_SPLITS ways
+        last = context + tl.minimum(q_start + BLOCK_Q, q_end) - 1 - q_begin
+        first = 0
+        if HAS_WINDOW:
+            first = tl.maximum(0, context + q_start - q_begin - sliding_window + 1)
+        first = first // BLOCK_N * BLOCK_N
+        num_tiles = tl.cdiv(last + 1 - first, BLOCK_N)
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        logit_scale = sm_scale * k_scale
+        row_max = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_Q * GP], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GP, DP], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            kv_pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_ok = kv_pos < kv_len
+            page = tl.load(block_table_ptr + seq * block_table_stride + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
+            slot = page.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
+            is_new = kv_pos >= context
+            new_row = q_begin + kv_pos - context
+            k = _load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+                           HKV, D, FUSED, CACHE_KIND)
+            v = _load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+                           HKV, D, FUSED, CACHE_KIND)
+            if DOT_F32:
+                logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3")
+            else:
+                logits = tl.dot(q, tl.trans(k.to(q.dtype)))
+            logits = logits * logit_scale
+            if HAS_SOFT_CAP:
+                logits = soft_cap * _tanh(logits / soft_cap)
+            seen = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+            if HAS_WINDOW:
+                seen &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+            logits = tl.where(seen, logits, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that see nothing yet
+            weights = tl.exp(logits - safe_max[:, None])
+            correction = tl.exp(row_max - safe_max)
+            row_sum = row_sum * correction + tl.sum(weights, axis=1)
+            if DOT_F32:
+                acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="tf32x3")
+            else:
+                acc = acc * correction[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype))
+            row_max = new_max
+
+        out_rows = token.to(tl.int64)[:, None] * HQ + head[:, None]
+        mask = row_ok[:, None] & d_ok[None, :]
+        normalized = acc * v_scale / tl.maximum(row_sum, 1e-30)[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + out_rows * D + dims[None, :], normalized.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            lse = tl.where(row_sum > 0, row_max + tl.log(tl.maximum(row_sum, 1e-30)), float("-inf"))
+            part = split * num_tokens * HQ + out_rows
+            tl.store(partial_out_ptr + part * D + dims[None, :], normalized, mask=mask)
+            tl.store(partial_lse_ptr + split * num_tokens * HQ + token.to(tl.int64) * HQ + head, lse, mask=row_ok)
+
+        if FUSED and split == 0 and q_start == q_begin:
+            # this sequence's new tokens go to the cache (read above from key/value, not from there)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            for t0 in range(q_begin, q_end, BLOCK_Q):
+                new_tokens = t0 + tl.arange(0, BLOCK_Q)
+                slot = tl.load(slot_ptr + new_tokens, mask=new_tokens < q_end, other=-1)
+                write = (slot >= 0)[:, None] & d_ok[None, :]
+                source = (new_tokens.to(tl.int64)[:, None] * HKV + kv_head) * D + dims[None, :]
+                entry = (slot[:, None] * HKV + kv_head) * D + dims[None, :]
+                k_new = tl.load(key_ptr + source, mask=write, other=0.0).to(tl.float32)
+                v_new = tl.load(value_ptr + source, mask=write, other=0.0).to(tl.float32)
+                tl.store(key_cache_ptr + entry, _round_to_cache(k_new / k_scale, CACHE_KIND, cache_dtype), mask=write)
+                tl.store(value_cache_ptr + entry, _round_to_cache(v_new / v_scale, CACHE_KIND, cache_dtype), mask=write)
+
+
+@triton.jit
+def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_rows,
+                        NUM_SPLITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Combine the splits' partial outputs of row ``program_id(0)`` (a token and query head)."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DP)
+    lse = tl.load(partial_lse_ptr + splits * num_rows + row)
+    top = tl.max(lse, axis=0)
+    weights = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
+    parts = tl.load(partial_out_ptr + (splits[:, None] * num_rows + row) * D + dims[None, :],
+                    mask=(dims[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + row * D + dims, merged.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+def _dot_in_float32(dtype: torch.dtype, interpreted: bool) -> bool:
+    """float32 queries multiply in float32 (tf32x3); the interpreter mishandles bfloat16, so there
+    every dtype does."""
+    return interpreted or dtype == torch.float32
+
+
+def _check_dtype(cache: torch.Tensor) -> int:
+    kind = _CACHE_KINDS.get(cache.dtype)
+    if kind is None:
+        raise NotImplementedError(f"triton: cache dtype {cache.dtype} is not supported")
+    if (cache.dtype == torch.float8_e4m3fn and cache.device.type == "cuda"
+            and torch.cuda.get_device_capability(cache.device) < (8, 9)):
+        raise NotImplementedError("triton: float8_e4m3fn caches need compute capability 8.9 or newer")
+    return kind
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    """The write kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
+
+    Contract: ``torch_kernels.reference.paged_attention.reshape_and_cache``.
+    """
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    kernel = for_device(reshape_and_cache_kernel, key.device)
+    kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        HKV=num_kv_heads, D=head_size, HP=triton.next_power_of_2(num_kv_heads),
+        DP=triton.next_power_of_2(head_size), CACHE_KIND=_check_dtype(key_cache),
+    )
+
+
+def writes_own_pages(cu_q_lens, kv_lens, block_table, slot_mapping, block_size: int, num_blocks: int) -> bool:
+    """Whether each new token's slot is its position's slot in the block table and no other
+    sequence reads a page being written, so the write may run inside the attention launch."""
+    num_tokens = slot_mapping.shape[0]
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens, output_size=num_tokens)
+    position = kv_lens.long()[seq] - q_lens[seq] + (torch.arange(num_tokens, device=seq.device) - cu_q_lens.long()[seq])
+    slot = block_table[seq, position // block_size].long() * block_size + position % block_size
+    pages = (kv_lens.long() + block_size - 1) // block_size
+    used = torch.arange(block_table.shape[1], device=seq.device) < pages[:, None]
+    readers = torch.zeros(num_blocks, dtype=torch.int64, device=seq.device).index_add_(
+        0, block_table[used].long(), torch.ones_like(block_table[used], dtype=torch.int64))
+    return bool(((slot == slot_mapping).all() & (readers[slot // block_size] == 1).all()).item())
+
+
+def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
+                           config: Config | None = None):
+    """The attention kernel (and merge) on CUDA/XPU tensors, or interpreted on CPU tensors.
+
+    Contract: ``torch_kernels.reference.paged_attention.ragged_paged_attention``. float32 queries
+    multiply in float32 (tf32x3); float16/bfloat16 in their own dtype; float32 accumulation.
+    """
+    num_tokens, num_q_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = kv_lens.shape[0]
+    cache_kind = _check_dtype(key_cache)
+    fused = key is not None and num_tokens > 0 and writes_own_pages(
+        cu_q_lens, kv_lens, block_table, slot_mapping, block_size, num_blocks)
+    if key is not None and not fused:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    config = config or default_config(num_tokens, num_seqs, group, head_size,
+                                      block_table.shape[1] * block_size, num_kv_heads, _sm_count(query.device))
+    splits = config.num_splits
+    if splits > 1:
+        partial_out = torch.empty(splits, num_tokens, num_q_heads, head_size, device=query.device)
+        partial_lse = torch.empty(splits, num_tokens, num_q_heads, device=query.device)
+    else:
+        partial_out = partial_lse = out  # not written
+    if not fused:
+        key = value = slot_mapping = query  # not read
+    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
+    kernel = for_device(paged_attention_kernel, query.device)
+    kernel[grid](
+        query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale, key, value,
+        slot_mapping, out, partial_out, partial_lse,
+        sm_scale, 1.0 if soft_cap is None else soft_cap, 0 if sliding_window is None else sliding_window,
+        num_seqs, num_tokens, block_table.stride(0),
+        HQ=num_q_heads, HKV=num_kv_heads, G=group, GP=triton.next_power_of_2(group), D=head_size,
+        DP=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
+        BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_SOFT_CAP=soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, FUSED=fused, CACHE_KIND=cache_kind,
+        DOT_F32=_dot_in_float32(query.dtype, query.device.type == "cpu"),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        merge = for_device(merge_splits_kernel, query.device)
+        merge[(num_tokens * num_q_heads,)](partial_out, partial_lse, out, num_tokens * num_q_heads,
+                                           NUM_SPLITS=splits, D=head_size, DP=triton.next_power_of_2(head_size))
+    return out
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128, group: int = 4,
+                    block_size: int = 16, decode: bool = True, fused: bool = False):
+    """(signature, constexprs, num_warps) to build the attention kernel ahead of time."""
+    q, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
+    config = default_config(64 if decode else 4096, 64, group, head_size, 8192, 8, sm_count=132)
+    signature = {
+        "q_ptr": q, "key_cache_ptr": cache, "value_cache_ptr": cache, "cu_q_lens_ptr": "*i32",
+        "kv_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+        "key_ptr": q, "value_ptr": q, "slot_ptr": "*i64", "out_ptr": q, "partial_out_ptr": "*fp32",
+        "partial_lse_ptr": "*fp32", "sm_scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32",
+        "num_seqs": "i32", "num_tokens": "i32", "block_table_stride": "i32",
+    }
+    constexprs = {
+        "HQ": 8 * group, "HKV": 8, "G": group, "GP": triton.next_power_of_2(group), "D": head_size,
+        "DP": triton.next_power_of_2(head_size), "BLOCK_SIZE": block_size, "BLOCK_Q": config.block_q,
+        "BLOCK_N": config.block_n, "NUM_SPLITS": config.num_splits, "HAS_SOFT_CAP": True, "HAS_WINDOW": True,
+        "FUSED": fused, "CACHE_KIND": _CACHE_KINDS[cache_dtype], "DOT_F32": _dot_in_float32(query_dtype, False),
+    }
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature, constexprs, config.num_warps
