@@ -13,7 +13,9 @@ import torch
 
 from . import backends
 from .ops import ood as ood_ops
+from .ops import paged_attention as paged_attention_ops
 from .reference import ood as ood_reference
+from .reference import paged_attention as paged_attention_reference
 
 # dtype -> (rtol, atol) against the float32/float64 definition; low precision covers the
 # whitening GEMM multiplied in x's own precision.
@@ -44,8 +46,37 @@ def mahalanobis_inputs(gen, dtype, device, b=257, d=127, c=3):
     return x.to(device, dtype), means.to(device, param), whitener.to(device, param)
 
 
+def paged_attention_inputs(gen, dtype, device, q_lens=(1, 7, 1, 19), contexts=(40, 0, 70, 13),
+                           heads=(8, 2), head_size=64, block_size=16):
+    """A ragged batch (decodes, a fresh prompt, a chunk of a prompt) over shuffled pages."""
+    num_q_heads, num_kv_heads = heads
+    kv_lens = torch.tensor(q_lens) + torch.tensor(contexts)
+    pages = -(-kv_lens // block_size)
+    num_blocks = int(pages.sum()) + 3
+    block_table = torch.zeros(len(q_lens), int(pages.max()), dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen)
+    start = 0
+    for s, n in enumerate(pages.tolist()):
+        block_table[s, :n] = ids[start:start + n]
+        start += n
+    cu_q_lens = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_q_lens[1:] = torch.tensor(q_lens).cumsum(0)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    query = torch.randn(int(cu_q_lens[-1]), num_q_heads, head_size, generator=gen).to(device, dtype)
+    return (query, key_cache, value_cache, cu_q_lens.to(device), kv_lens.to(device, torch.int32),
+            block_table.to(device), head_size**-0.5)
+
+
+def _paged_attention_definition(*inputs):
+    return paged_attention_reference.ragged_paged_attention_naive(*inputs).float()
+
+
 CASES = [
     Case("mahalanobis_score", mahalanobis_inputs, ood_ops.mahalanobis_score, ood_reference.mahalanobis_score_naive),
+    Case("ragged_paged_attention", paged_attention_inputs, paged_attention_ops.ragged_paged_attention,
+         _paged_attention_definition),
 ]
 
 
@@ -75,7 +106,7 @@ def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print
     for name, reason in reasons.items():
         print_fn(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
     print_fn("")
-    header = f"{'op':<20} {'backend':<10} {'device':<7} {'dtype':<9} {'max rel err':>12} {'tol':>8} {'result':<6} {'time/call':>11}"
+    header = f"{'op':<24} {'backend':<10} {'device':<7} {'dtype':<9} {'max rel err':>12} {'tol':>8} {'result':<6} {'time/call':>11}"
     print_fn(header)
     print_fn("-" * len(header))
     all_pass = True
@@ -92,7 +123,7 @@ def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print
                     ok = False
                     row = f"{'error':>12} {'':>8} {'FAIL':<6} {type(e).__name__}: {e}"
                 all_pass &= ok
-                print_fn(f"{case.op:<20} {backend:<10} {'cpu':<7} {str(dtype).removeprefix('torch.'):<9} {row}")
+                print_fn(f"{case.op:<24} {backend:<10} {'cpu':<7} {str(dtype).removeprefix('torch.'):<9} {row}")
     print_fn("")
     print_fn("all passed" if all_pass else "SOME CHECKS FAILED")
     return all_pass
