@@ -9,6 +9,7 @@ first use and report themselves unavailable, with the reason, when those are mis
 from . import backends
 from .backends import available_backends, unavailable_reasons, use_backend
 from .ops.ood import mahalanobis_score
+from .ops.linear_attention import chunk_gated_delta_rule, chunk_simple_gla, fused_recurrent_gated_delta_rule
 from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
 from . import ood
 
@@ -30,6 +31,9 @@ __all__ = [
     "unavailable_reasons",
     "use_backend",
     "mahalanobis_score",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "chunk_simple_gla",
     "ragged_paged_attention",
     "reshape_and_cache",
     "ood",

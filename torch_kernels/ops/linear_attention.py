@@ -1,0 +1,322 @@
+"""Linear attention ops: ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule`` and
+``chunk_simple_gla``, with fla's names, argument order and layout.
+
+Each is a ``torch.ops.torch_kernels`` op with a fake, a FLOP formula and an autograd formula whose
+backward is an op too (``<name>_backward``), so both directions run on the chosen backend and
+compile without graph breaks. The math is in ``torch_kernels.reference.linear_attention``.
+
+A backend implements, per op, ``forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+use_qk_l2norm) -> (o, final_state)`` and ``backward(do, dht, <the same inputs>) -> (dq, dk, dv,
+dg, dbeta, dh0)``; inputs arrive checked and contiguous, ``g``/``beta``/``initial_state``/``dht``
+may be None (no gate, linear attention, zero state, unused final state), and a gradient for an
+absent input may be None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from .. import _checks, backends
+from .._library import define
+from ..reference import linear_attention as reference
+
+CHUNK_DELTA = "chunk_gated_delta_rule"
+RECURRENT_DELTA = "fused_recurrent_gated_delta_rule"
+CHUNK_GLA = "chunk_simple_gla"
+OPS = (CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA)
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _reference_forward(form: str):
+    recurrence = reference.recurrence_naive if form == RECURRENT_DELTA else reference.recurrence_chunked
+
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+        return recurrence(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+
+    return forward
+
+
+def reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    """Gradients by autograd through the chunked form, recomputed here rather than saved."""
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
+        o, ht = reference.recurrence_chunked(*leaves[:5], scale, leaves[5], cu_seqlens, use_qk_l2norm)
+        outputs, grads = [o], [do]
+        if dht is not None:
+            outputs.append(ht)
+            grads.append(dht)
+        wanted = [t for t in leaves if t is not None]
+        found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return tuple(None if t is None else next(found) for t in leaves)
+
+
+for _op in OPS:
+    _form = "recurrent" if _op == RECURRENT_DELTA else "chunk"
+    backends.register(_op, "reference", _reference_forward(_op))
+    backends.register(f"{_op}_backward", "reference", reference_backward)
+    for _backend, _module in (("triton", "triton_impl.linear_attention"), ("sycl", "oneapi_impl.linear_attention"),
+                              ("pallas", "torch_kernels._jax_interop")):
+        _prefix = "pallas_" if _backend == "pallas" else ""
+        backends.register(_op, _backend, f"{_module}:{_prefix}{_form}_forward")
+        backends.register(f"{_op}_backward", _backend, f"{_module}:{_prefix}{_form}_backward")
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool) -> None:
+    """Shapes, dtypes, devices and the scale (no data read)."""
+    _checks.tensor("q", q, ndim=4, dtypes=INPUT_DTYPES)
+    _checks.tensor("k", k, ndim=4, dtypes=(q.dtype,))
+    _checks.tensor("v", v, ndim=4, dtypes=(q.dtype,))
+    batch, length, heads, k_dim = q.shape
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: expected shape {tuple(q.shape)} (as q), got {tuple(k.shape)}")
+    _checks.size("v", 0, v.shape[0], batch, "batch B of q")
+    _checks.size("v", 1, v.shape[1], length, "time T of q")
+    value_heads = v.shape[2]
+    if grouped:
+        if value_heads % heads:
+            raise ValueError(f"v: expected a number of value heads divisible by q's {heads} heads, got {value_heads}")
+    else:
+        _checks.size("v", 2, value_heads, heads, "heads H of q")
+    if k_dim == 0 or v.shape[3] == 0 or heads == 0:
+        raise ValueError(f"q, v: expected non-empty head dimensions, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    gate_shape = (batch, length, value_heads)
+    for name, t in (("g", g), ("beta", beta)):
+        if t is None:
+            if name == "beta" and needs_beta:
+                raise TypeError("beta: expected a torch.Tensor, got None")
+            continue
+        _checks.tensor(name, t, ndim=3, dtypes=_checks.FLOAT_DTYPES)
+        if tuple(t.shape) != gate_shape:
+            raise ValueError(f"{name}: expected shape {gate_shape} (B, T and value heads of v), got {tuple(t.shape)}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    num_states = batch
+    if cu_seqlens is not None:
+        _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got q of shape {tuple(q.shape)}")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected at least two offsets [0, T], got shape {tuple(cu_seqlens.shape)}")
+        num_states = cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        _checks.tensor("initial_state", initial_state, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        expected = (num_states, value_heads, k_dim, v.shape[3])
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(f"initial_state: expected shape {expected} (sequences, value heads, K, V), "
+                             f"got {tuple(initial_state.shape)}")
+    present = {name: t for name, t in (("g", g), ("beta", beta), ("initial_state", initial_state),
+                                       ("cu_seqlens", cu_seqlens)) if t is not None}
+    _checks.same_device(q=q, k=k, v=v, **present)
+
+
+def check_offsets(cu_seqlens, length: int) -> None:
+    """Packed sequence offsets start at 0, never decrease and end at T (reads them once)."""
+    if cu_seqlens is None:
+        return
+    first, last, decreasing = torch.stack([cu_seqlens[0], cu_seqlens[-1],
+                                           (cu_seqlens[1:] < cu_seqlens[:-1]).any().to(cu_seqlens.dtype)]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_seqlens.tolist()}")
+    if last != length:
+        raise ValueError(f"cu_seqlens: expected to end at the time length T={length}, got {last}")
+
+
+def _state_shape(q, v, cu_seqlens):
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (n, v.shape[2], q.shape[3], v.shape[3])
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return "cpu" if t.is_cpu else t.device.type
+
+
+def _strip_grad(*tensors):
+    """Kernels take plain tensors (DLPack and USM copies refuse grad-requiring ones)."""
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
+class _Family:
+    """The forward op, backward op, autograd and FLOP formula shared by the three ops."""
+
+    def __init__(self, name: str, *, delta: bool, grouped: bool):
+        self.name, self.delta, self.grouped = name, delta, grouped
+        gate = "Tensor g, Tensor beta" if delta else "Tensor? g"
+        inputs = f"Tensor q, Tensor k, Tensor v, {gate}, float scale, Tensor? initial_state=None, " \
+                 f"Tensor? cu_seqlens=None{', bool use_qk_l2norm=False' if delta else ''}, str? implementation=None"
+        self.backward_op = define(
+            f"{name}_backward(Tensor do, Tensor? dht, {inputs}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            self._backward_kernel, self._backward_fake)
+        self.forward_op = define(f"{name}({inputs}) -> (Tensor, Tensor)", self._forward_kernel, self._forward_fake,
+                                 setup_context=self._setup_context, backward=self._backward)
+        register_flop_formula(self.forward_op.overloadpacket)(self._flops)
+
+    def _unpack(self, args):
+        """(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, implementation) from
+        the schema's arguments (the dispatcher leaves out trailing ones at their defaults)."""
+        if self.delta:
+            return tuple(args) + (None, None, False, None)[len(args) - 6:]
+        q, k, v, g, scale, initial_state, cu_seqlens, implementation = tuple(args) + (None, None, None)[len(args) - 5:]
+        return q, k, v, g, None, scale, initial_state, cu_seqlens, False, implementation
+
+    def _check(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
+        check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, needs_beta=self.delta, grouped=self.grouped)
+
+    def _run(self, op, implementation, q, *args):
+        return backends.dispatch(op, _device_type(q), implementation, q, *args)
+
+    def _forward_kernel(self, *args):
+        q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
+        self._check(q, k, v, g, beta, scale, h0, cu)
+        check_offsets(cu, q.shape[1])
+        q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
+        o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
+                          _contiguous(h0), _contiguous(cu), l2norm)
+        return o, ht
+
+    def _forward_fake(self, *args):
+        q, k, v, g, beta, scale, h0, cu, _, _ = self._unpack(args)
+        self._check(q, k, v, g, beta, scale, h0, cu)
+        return (torch.empty_like(v, memory_format=torch.contiguous_format),
+                v.new_empty(_state_shape(q, v, cu), dtype=reference.compute_dtype(v.dtype)))
+
+    def _grad_shapes(self, q, k, v, g, beta, h0, cu):
+        gate = (v.shape[0], v.shape[1], v.shape[2])
+        return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
+                (gate, q.dtype if g is None else g.dtype), (gate, q.dtype if beta is None else beta.dtype),
+                (_state_shape(q, v, cu), reference.compute_dtype(v.dtype) if h0 is None else h0.dtype)]
+
+    def _backward_kernel(self, do, dht, *args):
+        q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
+        self._check(q, k, v, g, beta, scale, h0, cu)
+        check_offsets(cu, q.shape[1])
+        grads = self._run(f"{self.name}_backward", implementation, do.contiguous(), _contiguous(dht),
+                          *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(cu), l2norm)
+        # the schema returns six tensors: an absent input's gradient is zeros
+        return tuple(
+            torch.zeros(shape, dtype=dtype, device=q.device) if grad is None else grad.to(dtype).contiguous()
+            for grad, (shape, dtype) in zip(grads, self._grad_shapes(q, k, v, g, beta, h0, cu)))
+
+    def _backward_fake(self, do, dht, *args):
+        q, k, v, g, beta, scale, h0, cu, _, _ = self._unpack(args)
+        self._check(q, k, v, g, beta, scale, h0, cu)
+        return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in self._grad_shapes(q, k, v, g, beta, h0, cu))
+
+    def _setup_context(self, ctx, inputs, output):
+        q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(tuple(inputs))
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+        ctx.scale, ctx.l2norm = scale, l2norm
+        # the backward runs on the backends chosen now, even outside this call's use_backend block
+        order, explicit = backends.resolve(q.device.type, implementation)
+        ctx.implementation = ",".join(order) if explicit else None
+
+    def _backward(self, ctx, do, dht):
+        q, k, v, g, beta, h0, cu = ctx.saved_tensors
+        if self.delta:
+            inputs = (q, k, v, g, beta, ctx.scale, h0, cu, ctx.l2norm, ctx.implementation)
+        else:
+            inputs = (q, k, v, g, ctx.scale, h0, cu, ctx.implementation)
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, dh0 = self.backward_op(do, dht, *inputs)
+        grads = {"q": dq, "k": dk, "v": dv, "g": dg, "beta": dbeta, "initial_state": dh0}
+        names = ["q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "l2norm", "implementation"]
+        if not self.delta:
+            names = ["q", "k", "v", "g", "scale", "initial_state", "cu_seqlens", "implementation"]
+        return tuple(grads.get(name) if needed else None for name, needed in zip(names, ctx.needs_input_grad))
+
+    def _flops(self, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+        batch, length, _, k_dim = q_shape
+        value_heads, v_dim = v_shape[2], v_shape[3]
+        # per step and value head: the state update and the read-out (delta adds S^T k)
+        per_step = (6 if self.delta else 4) * k_dim * v_dim
+        return batch * length * value_heads * per_step
+
+
+chunk_gated_delta_rule_family = _Family(CHUNK_DELTA, delta=True, grouped=True)
+fused_recurrent_gated_delta_rule_family = _Family(RECURRENT_DELTA, delta=True, grouped=True)
+chunk_simple_gla_family = _Family(CHUNK_GLA, delta=False, grouped=False)
+
+
+def _default_scale(q, scale):
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _call_delta(family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens, implementation):
+    o, final_state = family.forward_op(q, k, v, g, beta, _default_scale(q, scale), initial_state, cu_seqlens,
+                                       bool(use_qk_l2norm_in_kernel), backends.implementation_arg(implementation))
+    return o, (final_state if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
+    """Gated DeltaNet (the delta rule with a scalar decay per step and head), in chunks.
+
+    Per value head, with state ``S [K, V]`` (float32) starting from ``initial_state``::
+
+        S_t = exp(g_t) * S_{t-1}
+        S_t = S_t + beta_t * k_t (v_t - S_t^T k_t)^T
+        o_t = S_t^T (scale * q_t)
+
+    Args:
+        q, k: ``[B, T, H, K]``; with ``use_qk_l2norm_in_kernel`` each is divided by
+            ``sqrt(sum(x^2) + 1e-6)`` over K first (inside the op, gradients included).
+        v: ``[B, T, HV, V]``, ``HV`` a multiple of ``H``: value head ``j`` uses q/k head
+            ``j // (HV / H)`` (Qwen3-Next's grouped value heads). q, k and v share a dtype.
+        g: ``[B, T, HV]`` log decay (``<= 0``; ``exp(g)`` multiplies the state).
+        beta: ``[B, T, HV]`` update strength, usually in (0, 1).
+        scale: multiplies q; default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``N = B``, or the number of packed sequences).
+        output_final_state: return the final states (else None).
+        cu_seqlens: ``[N + 1]`` int offsets of packed sequences along T (needs ``B = 1``); each
+            starts from its own initial state.
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``.
+        Differentiable in q, k, v, g, beta and initial_state.
+    """
+    return _call_delta(chunk_gated_delta_rule_family, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens, implementation)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
+    """The same recurrence as :func:`chunk_gated_delta_rule`, one step at a time: the form for
+    decoding a few tokens from a carried state. It has a backward too. Arguments as there."""
+    return _call_delta(fused_recurrent_gated_delta_rule_family, q, k, v, g, beta, scale, initial_state,
+                       output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, implementation)
+
+
+def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     implementation=None):
+    """Gated linear attention with one scalar log decay per head and step, in chunks.
+
+    ``S_t = exp(g_t) S_{t-1} + k_t v_t^T`` and ``o_t = S_t^T (scale q_t)``: Mamba-2's SSD, RetNet
+    and Lightning-style decays; ``g=None`` is plain causal linear attention.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one dtype); g: ``[B, T, H]`` or None.
+        scale, initial_state, output_final_state, cu_seqlens, implementation: as in
+            :func:`chunk_gated_delta_rule`.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``;
+        differentiable in q, k, v, g and initial_state.
+    """
+    o, final_state = chunk_simple_gla_family.forward_op(q, k, v, g, _default_scale(q, scale), initial_state,
+                                                        cu_seqlens, backends.implementation_arg(implementation))
+    return o, (final_state if output_final_state else None)

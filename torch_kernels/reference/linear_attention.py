@@ -1,0 +1,155 @@
+"""Gated DeltaNet and gated linear attention in plain PyTorch.
+
+One recurrence covers both, per value head, with state ``S [K, V]`` (float32):
+
+- gated linear attention (``delta=False``): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``;
+- gated delta rule (``delta=True``): ``S_t = exp(g_t) S_{t-1}``, then
+  ``S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T``;
+
+and in both ``o_t = S_t^T (scale q_t)``. With grouped value heads (``HV = r H``) value head ``j``
+reads query/key head ``j // r``. With ``cu_seqlens`` (``B = 1``) the rows of each packed sequence
+run from that sequence's own initial state.
+
+``recurrence_naive`` is the definition, a loop over time steps (the truth in tests).
+``recurrence_chunked`` is the reference backend's kernel and the CPU default: chunks of
+``chunk_size`` steps, inside which the delta rule's updates are folded into one triangular solve
+(the WY form), so the Python loop runs over chunks, not steps.
+
+The chunked form, for a chunk with start state ``S0``, cumulative log decay ``b_t`` (``b_t =
+g_1 + ... + g_t`` within the chunk) and ``D_ts = exp(b_t - b_s)`` for ``s <= t``:
+
+- the chunk's effective values ``W`` solve ``(I + diag(beta) strict_lower(D * K K^T)) W =
+  diag(beta) (V - diag(exp(b)) K S0)`` (delta rule) or are ``V`` (linear attention);
+- ``O = scale (diag(exp(b)) Q S0 + (D * Q K^T) W)``;
+- ``S_end = exp(b_C) S0 + (K * exp(b_C - b))^T W``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_SIZE = 64
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States and accumulation are float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (the ``use_qk_l2norm_in_kernel`` step)."""
+    return x * torch.rsqrt(x.square().sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, use_qk_l2norm):
+    """float32 copies with query/key heads repeated onto their value heads, and default gates."""
+    dtype = compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    repeats = v.shape[2] // q.shape[2]
+    if repeats > 1:
+        q, k = q.repeat_interleave(repeats, dim=2), k.repeat_interleave(repeats, dim=2)
+    g = torch.zeros(v.shape[:3], dtype=dtype, device=v.device) if g is None else g.to(dtype)
+    beta = None if beta is None else beta.to(dtype)
+    return q, k, v, g, beta
+
+
+def _sequences(cu_seqlens, length: int):
+    """(start, end) of each sequence: packed ones, or the whole time axis."""
+    if cu_seqlens is None:
+        return [(0, length)]
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _initial(initial_state, batch, num_heads, k_dim, v_dim, n, dtype, device):
+    if initial_state is None:
+        return torch.zeros(n, num_heads, k_dim, v_dim, dtype=dtype, device=device)
+    return initial_state.to(dtype)
+
+
+def recurrence_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+    """The definition, one time step at a time. ``beta=None`` is linear attention, else the delta
+    rule. Returns ``(o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] float32)``."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    batch, length, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    spans = _sequences(cu_seqlens, length)
+    states = _initial(initial_state, batch, num_heads, k_dim, v_dim, len(spans) if cu_seqlens is not None else batch,
+                      q.dtype, q.device)
+    out = torch.zeros_like(v)
+    finals = []
+    for n, (start, end) in enumerate(spans):
+        rows = slice(None) if cu_seqlens is None else slice(0, 1)
+        state = (states if cu_seqlens is None else states[n:n + 1]).clone()  # [B, HV, K, V]
+        for t in range(start, end):
+            q_t, k_t, v_t = q[rows, t], k[rows, t], v[rows, t]  # [B, HV, K] / [B, HV, V]
+            state = state * g[rows, t].exp()[..., None, None]
+            if beta is not None:
+                error = v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)
+                state = state + torch.einsum("bhk,bhv->bhkv", k_t, beta[rows, t][..., None] * error)
+            else:
+                state = state + torch.einsum("bhk,bhv->bhkv", k_t, v_t)
+            out[rows, t] = torch.einsum("bhkv,bhk->bhv", state, scale * q_t)
+        finals.append(state)
+    return out.to(out_dtype), torch.cat(finals)
+
+
+def _chunk(q, k, v, g, beta, scale, state):
+    """One chunk of every (batch, head): inputs ``[B, HV, C, *]``, state ``[B, HV, K, V]``."""
+    b = g.cumsum(dim=-1)  # [B, HV, C]
+    steps = torch.arange(b.shape[-1], device=b.device)
+    lower = steps[:, None] >= steps[None, :]
+    # exp(b_t - b_s) for s <= t, 0 above the diagonal (masked before exp: it may overflow there)
+    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    if beta is None:
+        values = v
+    else:
+        k_beta = k * beta[..., None]
+        system = torch.tril(decay * (k_beta @ k.transpose(-1, -2)), diagonal=-1)
+        system = system + torch.eye(b.shape[-1], dtype=b.dtype, device=b.device)
+        rhs = beta[..., None] * (v - (k * b.exp()[..., None]) @ state)
+        values = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = scale * ((q * b.exp()[..., None]) @ state + (decay * (q @ k.transpose(-1, -2))) @ values)
+    last = b[..., -1:]
+    state = last.exp()[..., None] * state + (k * (last - b).exp()[..., None]).transpose(-1, -2) @ values
+    return out, state
+
+
+def _chunked_span(q, k, v, g, beta, scale, state, chunk_size):
+    """One span of equal-length sequences ``[B, L, HV, *]`` from ``state``; (out, final state)."""
+    heads_first = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731 - [B, HV, L, *]
+    q, k, v, g, beta = map(heads_first, (q, k, v, g, beta))
+    outs = []
+    for start in range(0, q.shape[2], chunk_size):
+        part = slice(start, start + chunk_size)
+        out, state = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part],
+                            None if beta is None else beta[:, :, part], scale, state)
+        outs.append(out)
+    out = torch.cat(outs, dim=2) if outs else v
+    return out.transpose(1, 2), state
+
+
+def recurrence_chunked(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
+                       chunk_size=CHUNK_SIZE):
+    """The same numbers as ``recurrence_naive`` from chunks (module docstring); differentiable by
+    autograd, which the reference backward uses."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    batch, length, num_heads, k_dim = k.shape
+    spans = _sequences(cu_seqlens, length)
+    states = _initial(initial_state, batch, num_heads, k_dim, v.shape[-1],
+                      len(spans) if cu_seqlens is not None else batch, q.dtype, q.device)
+    if cu_seqlens is None:
+        out, final = _chunked_span(q, k, v, g, beta, scale, states, chunk_size)
+        return out.to(out_dtype), final
+    outs, finals = [], []
+    for n, (start, end) in enumerate(spans):
+        part = slice(start, end)
+        out, final = _chunked_span(q[:, part], k[:, part], v[:, part], g[:, part],
+                                   None if beta is None else beta[:, part], scale, states[n:n + 1], chunk_size)
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs, dim=1).to(out_dtype), torch.cat(finals)
