@@ -10,13 +10,25 @@ from __future__ import annotations
 import torch
 
 
+# DLPack has no float8 codes: these cross as uint8 and are bitcast on the JAX side
+_FLOAT8 = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
 def to_jax(t: torch.Tensor):
     import jax.dlpack
 
+    t = t.detach()  # DLPack refuses tensors that require grad (inference-only ops see them under no_grad)
+    if t.dtype in _FLOAT8:
+        return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.contiguous().view(torch.uint8)), _FLOAT8[t.dtype])
     return jax.dlpack.from_dlpack(t.contiguous())
 
 
 def to_torch(a) -> torch.Tensor:
+    for dtype, name in _FLOAT8.items():
+        if a.dtype == name:
+            import jax
+
+            return torch.from_dlpack(jax.lax.bitcast_convert_type(a, "uint8")).view(dtype)
     return torch.from_dlpack(a)
 
 
@@ -29,3 +41,105 @@ def pallas_mahalanobis_min(x, center, whitener, class_proj, class_sq):
         raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
     score, nearest = ood.mahalanobis_min(*map(to_jax, (x, center, whitener, class_proj, class_sq)))
     return to_torch(score), to_torch(nearest).to(torch.int64)
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, *_FLOAT8)
+
+
+def _cpu_only(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise NotImplementedError(f"pallas: takes torchax tensors or CPU tensors, got {t.device.type}")
+
+
+def _check_cache_dtype(cache: torch.Tensor) -> None:
+    if cache.dtype not in _CACHE_DTYPES:
+        raise NotImplementedError(f"pallas: caches of dtype {cache.dtype} are not supported")
+
+
+def _store(cache: torch.Tensor, new) -> None:
+    """Write the kernel's updated cache back into ``cache`` byte for byte (NaN payloads included)."""
+    cache.view(torch.uint8).copy_(to_torch(new).view(torch.uint8))
+
+
+def _slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    return slot_mapping.to(torch.int32)  # JAX runs without 64-bit ints; slots fit in 32 bits
+
+
+def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    _cpu_only(key, key_cache)
+    _check_cache_dtype(key_cache)
+    from jax_impl import paged_attention
+
+    new_k, new_v = paged_attention.reshape_and_cache(
+        *map(to_jax, (key, value, key_cache, value_cache, _slots(slot_mapping), k_scale, v_scale)))
+    _store(key_cache, new_k)
+    _store(value_cache, new_v)
+
+
+def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                                  sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
+    _cpu_only(query, key_cache)
+    _check_cache_dtype(key_cache)
+    from jax_impl import paged_attention
+
+    new = None if key is None else (to_jax(key), to_jax(value), to_jax(_slots(slot_mapping)))
+    out, new_k, new_v = paged_attention.ragged_paged_attention(
+        *map(to_jax, (query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), sm_scale,
+        sliding_window, soft_cap, to_jax(k_scale), to_jax(v_scale), *(new or (None, None, None)))
+    if new is not None:
+        _store(key_cache, new_k)
+        _store(value_cache, new_v)
+    return to_torch(out)
+
+
+def _linear_attention_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
+    """JAX arrays of the linear attention inputs (None stays None), offsets as host ints."""
+    _cpu_only(q)
+    if q.dtype == torch.float64:
+        raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
+    arrays = tuple(None if t is None else to_jax(t) for t in (q, k, v, g, beta, initial_state))
+    return arrays, None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+
+
+def _linear_attention_grads(grads, g, beta, initial_state):
+    """Torch gradients; None for inputs that were absent."""
+    present = (True, True, True, g is not None, beta is not None, initial_state is not None)
+    return tuple(to_torch(grad) if grad is not None and keep else None for grad, keep in zip(grads, present))
+
+
+def pallas_chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    from jax_impl import linear_attention
+
+    (q, k, v, g, beta, h0), cu = _linear_attention_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if beta is None:
+        o, ht = linear_attention.chunk_simple_gla(q, k, v, g, scale, h0, cu)
+    else:
+        o, ht = linear_attention.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, cu, use_qk_l2norm)
+    return to_torch(o), to_torch(ht)
+
+
+def pallas_chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    from jax_impl import linear_attention
+
+    arrays, cu = _linear_attention_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    grads = linear_attention.chunk_backward(to_jax(do), None if dht is None else to_jax(dht), *arrays[:5], scale,
+                                            arrays[5], cu, use_qk_l2norm)
+    return _linear_attention_grads(grads, g, beta, initial_state)
+
+
+def pallas_recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    from jax_impl import linear_attention
+
+    (q, k, v, g, beta, h0), cu = _linear_attention_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    o, ht = linear_attention.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, h0, cu, use_qk_l2norm)
+    return to_torch(o), to_torch(ht)
+
+
+def pallas_recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    from jax_impl import linear_attention
+
+    arrays, cu = _linear_attention_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    grads = linear_attention.recurrent_backward(to_jax(do), None if dht is None else to_jax(dht), *arrays[:5],
+                                                scale, arrays[5], cu, use_qk_l2norm)
+    return _linear_attention_grads(grads, g, beta, initial_state)

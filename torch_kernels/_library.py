@@ -51,8 +51,11 @@ def define(
 
 
 def _autograd_kernel(op, kernel, setup, backward_formula) -> Callable:
-    tensor_positions = tuple(
-        i for i, arg in enumerate(op._schema.arguments) if isinstance(arg.type, torch.TensorType)
+    arguments = op._schema.arguments
+    tensor_positions = tuple(i for i, arg in enumerate(arguments) if isinstance(arg.type, torch.TensorType))
+    optional_positions = tuple(
+        i for i, arg in enumerate(arguments)
+        if isinstance(arg.type, torch.OptionalType) and isinstance(arg.type.getElementType(), torch.TensorType)
     )
     if backward_formula is None:
         function = None
@@ -76,6 +79,10 @@ def _autograd_kernel(op, kernel, setup, backward_formula) -> Callable:
             t = args[i]
             plain &= type(t) is _Tensor
             grad |= t.requires_grad
+        for i in optional_positions:
+            if i < len(args) and (t := args[i]) is not None:  # trailing defaults may be left out
+                plain &= type(t) is _Tensor
+                grad |= t.requires_grad
         if grad and _grad_enabled():
             if function is None:
                 raise RuntimeError(

@@ -5,7 +5,8 @@ imported only when torchax tensors are wanted, never by ``import torch_kernels``
 
 ``register(env)`` installs, for each op, a function that takes the torchax tensors' JAX arrays,
 runs the jax_impl kernel (Pallas) on them and wraps the result back, with gradients from the
-kernel's ``jax.custom_vjp``. ``environment()`` imports torchax, works around its import failure on
+kernel's ``jax.custom_vjp``; ops that write a KV cache point the cache's torchax tensor at the
+updated array. ``environment()`` imports torchax, works around its import failure on
 recent torch, and returns its default environment with the ops registered.
 """
 
@@ -83,23 +84,109 @@ def _jax_implementations(check, **by_backend):
     """
     from torchax.interop import j2t_autograd, torch_view
 
-    from . import backends
-
     wrapped = {name: j2t_autograd(torch_view(fn)) for name, fn in by_backend.items()}
 
     def impl(*args, implementation=None):
         if args and (args[-1] is None or isinstance(args[-1], str)):  # the schema's last argument
             *args, implementation = args
         check(*args)
-        order, _ = backends.resolve("jax", implementation)
-        for name in order:
-            if name in wrapped:
-                return wrapped[name](*args)
-        raise NotImplementedError(
-            f"implementation: torchax tensors run {sorted(wrapped)}, not {','.join(order)!r}"
-        )
+        return _first_backend(implementation, wrapped)(*args)
 
     return impl
+
+
+def _first_backend(implementation, by_backend: dict):
+    """The first of the call's backends (``backends.resolve``) that ``by_backend`` has."""
+    from . import backends
+
+    order, _ = backends.resolve("jax", implementation)
+    for name in order:
+        if name in by_backend:
+            return by_backend[name]
+    raise NotImplementedError(f"implementation: torchax tensors run {sorted(by_backend)}, not {','.join(order)!r}")
+
+
+def _paged_attention_implementations():
+    """The torchax implementations of reshape_and_cache and ragged_paged_attention.
+
+    Both write the caches: JAX arrays are immutable, so the kernels return updated caches and the
+    caches' torchax tensors are pointed at them (a torchax tensor keeps its array in ``_elem``).
+    Inference only: no gradients.
+    """
+    from jax_impl import paged_attention as kernels
+    from torchax.interop import jax_view, torch_view
+
+    from .ops import paged_attention as op
+
+    writes = {"pallas": kernels.reshape_and_cache, "reference": kernels.reshape_and_cache_reference}
+    attentions = {"pallas": kernels.ragged_paged_attention, "reference": kernels.ragged_paged_attention_reference}
+
+    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
+                          implementation=None):
+        op.check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        op.check_slots(slot_mapping, key_cache)
+        write = _first_backend(implementation, writes)
+        key_cache._elem, value_cache._elem = write(
+            *jax_view((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)))
+
+    def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                               sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None,
+                               value=None, slot_mapping=None, implementation=None):
+        op.check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
+                        soft_cap, k_scale, v_scale, key, value, slot_mapping)
+        op.check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
+        if key is not None:
+            op.check_slots(slot_mapping, key_cache)
+        attention = _first_backend(implementation, attentions)
+        out, new_k, new_v = attention(
+            *jax_view((query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), float(sm_scale),
+            sliding_window, None if soft_cap is None else float(soft_cap),
+            *jax_view((k_scale, v_scale, key, value, slot_mapping)))
+        if key is not None:
+            key_cache._elem, value_cache._elem = new_k, new_v
+        return torch_view(out)
+
+    return reshape_and_cache, ragged_paged_attention
+
+
+def _linear_attention_implementations():
+    """The torchax implementations of the linear attention ops, by op name, with gradients.
+
+    The JAX functions are differentiable (the chunked kernels' ``jax.custom_vjp``; the recurrent
+    form, also the reference here, is a ``lax.scan``). Packed offsets decide the kernels' chunk
+    layout, so ``cu_seqlens`` crosses as host ints, not as an array that ``jax.vjp`` would trace.
+    Arguments the caller left at their defaults are filled in from the schema.
+    """
+    from jax_impl import linear_attention as kernels
+
+    from .ops import linear_attention as op
+
+    def gla_reference(q, k, v, g, scale, initial_state, cu_seqlens):
+        return kernels.fused_recurrent_gated_delta_rule(q, k, v, g, None, scale, initial_state, cu_seqlens)
+
+    def implementation(family, pallas, reference):
+        arguments = family.forward_op._schema.arguments
+        defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        run = _jax_implementations(lambda *args: None, pallas=pallas, reference=reference)  # checked below
+
+        def impl(*args, **kwargs):
+            args = list(args) + [kwargs.get(a.name, defaults.get(a.name)) for a in arguments[len(args):]]
+            q, k, v, g, beta, scale, h0, cu, l2norm, choice = family._unpack(args)
+            family._check(q, k, v, g, beta, scale, h0, cu)
+            op.check_offsets(cu, q.shape[1])
+            offsets = None if cu is None else tuple(cu.tolist())
+            head = (q, k, v, g, beta) if family.delta else (q, k, v, g)
+            tail = (bool(l2norm),) if family.delta else ()
+            return run(*head, float(scale), h0, offsets, *tail, choice)  # choice last: run strips it
+
+        return impl
+
+    recurrent = kernels.fused_recurrent_gated_delta_rule
+    return {
+        op.CHUNK_DELTA: implementation(op.chunk_gated_delta_rule_family, kernels.chunk_gated_delta_rule, recurrent),
+        op.RECURRENT_DELTA: implementation(op.fused_recurrent_gated_delta_rule_family, recurrent, recurrent),
+        op.CHUNK_GLA: implementation(op.chunk_simple_gla_family, kernels.chunk_simple_gla, gla_reference),
+    }
 
 
 def register(env) -> None:
@@ -113,3 +200,8 @@ def register(env) -> None:
         _jax_implementations(ood_op.check_inputs, pallas=ood.mahalanobis_score,
                              reference=ood.mahalanobis_score_reference),
     )
+    write, attention = _paged_attention_implementations()
+    env.override_op_definition(torch.ops.torch_kernels.reshape_and_cache.default, write)
+    env.override_op_definition(torch.ops.torch_kernels.ragged_paged_attention.default, attention)
+    for name, impl in _linear_attention_implementations().items():
+        env.override_op_definition(getattr(torch.ops.torch_kernels, name).default, impl)

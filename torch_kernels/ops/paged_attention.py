@@ -29,6 +29,8 @@ for _op in (WRITE_OP, OP):
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
+# int64 as vLLM passes it; int32 as it arrives through torchax (jax without x64). Kernels get int64.
+SLOT_DTYPES = (torch.int64, torch.int32)
 
 
 def _check_cache_pair(key_cache, value_cache, query_dtype) -> None:
@@ -60,7 +62,7 @@ def _check_scale(name: str, scale, num_kv_heads: int) -> None:
 def _check_new_tokens(key, value, slot_mapping, num_tokens, key_cache, dtypes) -> None:
     _checks.tensor("key", key, ndim=3, dtypes=dtypes)
     _checks.tensor("value", value, ndim=3, dtypes=(key.dtype,))
-    _checks.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
+    _checks.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES)
     _, _, num_kv_heads, head_size = key_cache.shape
     expected = (num_tokens, num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
@@ -206,7 +208,7 @@ def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None
     check_slots(slot_mapping, key_cache)
     heads, device = key_cache.shape[2], key.device
     backends.dispatch(WRITE_OP, _device_type(key), implementation, key.contiguous(), value.contiguous(),
-                      key_cache, value_cache, slot_mapping.contiguous(),
+                      key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
                       _scales(k_scale, heads, device), _scales(v_scale, heads, device))
 
 
@@ -230,7 +232,7 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
     check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
     if key is not None:
         check_slots(slot_mapping, key_cache)
-        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
+        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
     heads, device = key_cache.shape[2], query.device
     return backends.dispatch(
         OP, _device_type(query), implementation, query.contiguous(), key_cache, value_cache,
@@ -275,10 +277,11 @@ def attention_flops(num_q_heads: int, head_size: int, q_lens, kv_lens, sliding_w
     return 4 * num_q_heads * head_size * visible_keys(q_lens, kv_lens, sliding_window)
 
 
-def attention_bytes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size: int, kv_lens,
+def attention_bytes(num_q_heads: int, num_kv_heads: int, head_size: int, q_lens, kv_lens,
                     query_itemsize: int, cache_itemsize: int, sliding_window=None) -> int:
     """What a call must move at least: each sequence's visible keys and values once, queries in, output out."""
-    keys = sum(kv if sliding_window is None else min(kv, sliding_window + num_tokens) for kv in kv_lens)
+    keys = sum(kv if sliding_window is None else min(kv, sliding_window + q - 1) for q, kv in zip(q_lens, kv_lens))
+    num_tokens = sum(q_lens)
     return 2 * keys * num_kv_heads * head_size * cache_itemsize + 2 * num_tokens * num_q_heads * head_size * query_itemsize
 
 
@@ -317,7 +320,7 @@ def reshape_and_cache(
         key, value: ``[T, Hkv, D]``, float16, bfloat16 or float32.
         key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of key's dtype
             or a quantized dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``).
-        slot_mapping: int64 ``[T]``; each slot at most once.
+        slot_mapping: int64 (or int32) ``[T]``; each slot at most once.
         k_scale, v_scale: optional float32 scales, one (``[]`` or ``[1]``) or one per kv head
             (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8 rounds half
             to even and saturates, fp8 saturates). ``None`` means 1.
@@ -367,7 +370,7 @@ def ragged_paged_attention(
         soft_cap: if given, logits become ``soft_cap * tanh(logits / soft_cap)`` (after ``sm_scale``).
         k_scale, v_scale: float32 dequantization scales, one or one per kv head; a cache entry
             means ``entry * scale``. ``None`` means 1.
-        key, value, slot_mapping: if given (``[T, Hkv, D]`` of query's dtype and int64 ``[T]``),
+        key, value, slot_mapping: if given (``[T, Hkv, D]`` of query's dtype and int64 or int32 ``[T]``),
             the new tokens are first written as :func:`reshape_and_cache` does, in the same kernel
             where the backend allows it; the result equals that write followed by attention.
         implementation: a backend name or ordered list (see ``torch_kernels.backends``).

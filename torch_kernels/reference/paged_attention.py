@@ -29,8 +29,10 @@ import torch
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Elements of one logits tile [S, Hkv, group * q_tile, kv_tile]: about 128 MB of float32.
-_TILE_ELEMENTS = 1 << 25
+# Elements of one logits tile [S, Hq, q_tile, kv_tile] (4 MB of float32), and its most query rows:
+# tiles that stay in the CPU's caches run several times faster than larger ones.
+_TILE_ELEMENTS = 1 << 20
+_MAX_Q_TILE = 256
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,13 +107,42 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
-    """The reference backend's kernel: online softmax over tiles of padded sequences.
-
-    Queries are laid out ``[S, Hkv, group, max_q_len]`` so each kv head's keys are gathered once
-    for its query heads; keys are gathered a tile of pages at a time. Tiles that no query of the
-    batch can see (above the diagonal, or outside every window) are skipped.
-    """
+    """The reference backend's kernel: sequences bucketed by query length (1, 2, 3-4, 5-8, ...),
+    each bucket padded to its longest and attended by :func:`_attend_padded`, so a mixed batch
+    pads its decodes to one row, not to the longest prefill chunk."""
     _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+    args = (key_cache, value_cache, sm_scale, sliding_window, soft_cap, k_scale, v_scale)
+    cu = cu_q_lens.long()
+    q_lens = cu[1:] - cu[:-1]
+    buckets: dict[int, list[int]] = {}
+    for s, n in enumerate(q_lens.tolist()):
+        if n > 0:
+            buckets.setdefault((n - 1).bit_length(), []).append(s)
+    if len(buckets) <= 1:
+        return _attend_padded(query, cu_q_lens, kv_lens, block_table, *args)
+    out = torch.zeros_like(query)
+    for seqs in buckets.values():
+        seqs = torch.tensor(seqs, device=query.device)
+        lens = q_lens[seqs]
+        sub_cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        # token rows of these sequences, in order: each sequence's start plus its row offsets
+        rows = cu[seqs].repeat_interleave(lens) + torch.arange(int(sub_cu[-1]), device=query.device) \
+            - sub_cu[:-1].repeat_interleave(lens)
+        out[rows] = _attend_padded(query[rows], sub_cu, kv_lens[seqs], block_table[seqs], *args)
+    return out
+
+
+def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cache, sm_scale, sliding_window,
+                   soft_cap, k_scale, v_scale):
+    """Online softmax over tiles of sequences padded to the longest query length.
+
+    Keys and values are gathered a tile of pages at a time, all kv heads at once; then each kv
+    head's keys multiply all its query heads' rows (``max_q_len * group``) in one batched matmul
+    over sequences, on strided views of the tile (a loop over kv heads, not tokens or pages:
+    permuting the tile to head-major costs more than the matmuls). The scales multiply the
+    logits and the output, not the tile. Tiles that no query of the batch can see (above the
+    diagonal, or outside every window) are skipped.
+    """
     t, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -123,25 +154,28 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     q_lens, kv = cu[1:] - cu[:-1], kv_lens.long()
     max_q, max_kv = int(q_lens.max()), int(kv.max())
 
-    # padded query layout: [S, Hkv, group, max_q, D]; row r of sequence s is token cu[s] + r
+    # padded query layout: [S, Hkv, max_q, group, D]; row r of sequence s is token cu[s] + r
     rows = torch.arange(max_q, device=device)
     token = cu[:-1, None] + rows
     real_row = rows < q_lens[:, None]
     q = query[token.clamp(max=t - 1)].float().view(num_seqs, max_q, num_kv_heads, group, head_size)
-    q = q.permute(0, 2, 3, 1, 4)
+    q = q.permute(0, 2, 1, 3, 4).contiguous()
     q_pos = (kv - q_lens)[:, None] + rows  # [S, max_q]
+    logit_scale = k_scale.float() * sm_scale  # [Hkv]
 
+    # square-ish tiles: causal prefill skips the tiles above the diagonal
+    q_tile = min(max_q, _MAX_Q_TILE)
     kv_tile = max(block_size, min(-(-max_kv // block_size) * block_size,
-                                  (_TILE_ELEMENTS // max(1, num_seqs * num_q_heads * max_q)) // block_size * block_size))
-    q_tile = max(1, min(max_q, _TILE_ELEMENTS // max(1, num_seqs * num_q_heads * kv_tile)))
+                                  _TILE_ELEMENTS // (num_seqs * num_q_heads * q_tile) // block_size * block_size))
     pages_per_tile = kv_tile // block_size
-    out = torch.empty(num_seqs, num_kv_heads, group, max_q, head_size, device=device)
+    out = torch.empty(num_seqs, num_kv_heads, max_q, group, head_size, device=device)
     for q0 in range(0, max_q, q_tile):
         q1 = min(max_q, q0 + q_tile)
-        qt, pos = q[:, :, :, q0:q1] * sm_scale, q_pos[:, q0:q1]
-        row_max = torch.full(qt.shape[:-1], float("-inf"), device=device)
-        row_sum = torch.zeros(qt.shape[:-1], device=device)
-        acc = torch.zeros(qt.shape, device=device)
+        rows_shape = (num_seqs, num_kv_heads, q1 - q0, group)
+        qt, pos = q[:, :, q0:q1].flatten(2, 3), q_pos[:, q0:q1]  # [S, Hkv, rows, D]
+        row_max = torch.full(rows_shape, float("-inf"), device=device)
+        row_sum = torch.zeros(rows_shape, device=device)
+        acc = torch.zeros(*rows_shape, head_size, device=device)
         # keys this query tile may see: up to its last position, from its first window start
         hi = int((pos.masked_fill(~real_row[:, q0:q1], -1).max(dim=1).values + 1).clamp(min=0).max())
         lo = 0 if sliding_window is None else max(0, int((pos[:, 0] - sliding_window + 1).min()))
@@ -149,20 +183,26 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
             page = torch.arange(k0 // block_size, k0 // block_size + pages_per_tile, device=device)
             used = page[None, :] * block_size < kv[:, None]  # pages past kv_len may hold any id
             ids = torch.where(used, block_table[:, page.clamp(max=block_table.shape[1] - 1)].long(), 0)
-            k = dequantize(key_cache[ids].flatten(1, 2), k_scale).permute(0, 2, 1, 3)  # [S, Hkv, kv_tile, D]
-            v = dequantize(value_cache[ids].flatten(1, 2), v_scale).permute(0, 2, 1, 3)
-            logits = _capped(qt @ k[:, :, None].transpose(-1, -2), soft_cap)  # [S, Hkv, group, qt, kv_tile]
             k_pos = k0 + torch.arange(kv_tile, device=device)
-            seen = _visible(pos[:, :, None], k_pos, sliding_window) & (k_pos < kv[:, None, None])
-            logits = logits.masked_fill(~seen[:, None, None], float("-inf"))
-            new_max = torch.maximum(row_max, logits.amax(dim=-1))
-            safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows that see nothing yet
-            weights = torch.exp(logits - safe_max[..., None])
-            correction = torch.exp(row_max - safe_max)
-            row_sum = row_sum * correction + weights.sum(dim=-1)
-            acc = acc * correction[..., None] + weights @ v[:, :, None]
-            row_max = new_max
-        out[:, :, :, q0:q1] = acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+            stored = k_pos < kv[:, None]  # slots past kv_len (or filler pages) may hold anything, NaN too
+            tile_shape = (num_seqs, kv_tile, num_kv_heads, head_size)
+            k = key_cache.index_select(0, ids.flatten()).view(tile_shape).float()  # a copy (faster than [ids])
+            v = value_cache.index_select(0, ids.flatten()).view(tile_shape).float()
+            v.masked_fill_(~stored[:, :, None, None], 0.0)  # a zero weight times NaN is still NaN
+            hidden = ~(_visible(pos[:, :, None], k_pos, sliding_window) & stored[:, None, :])[:, :, None]
+            for h in range(num_kv_heads):
+                logits = (qt[:, h] @ k[:, :, h].transpose(-1, -2)).view(num_seqs, q1 - q0, group, kv_tile)
+                logits = _capped(logits * logit_scale[h], soft_cap).masked_fill_(hidden, float("-inf"))
+                new_max = torch.maximum(row_max[:, h], logits.amax(dim=-1))
+                safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows that see nothing yet
+                weights = torch.exp(logits.sub_(safe_max[..., None]))
+                correction = torch.exp(row_max[:, h] - safe_max)
+                row_sum[:, h] = row_sum[:, h] * correction + weights.sum(dim=-1)
+                pv = weights.view(num_seqs, -1, kv_tile) @ v[:, :, h]
+                acc[:, h] = acc[:, h] * correction[..., None] + pv.view(num_seqs, q1 - q0, group, head_size)
+                row_max[:, h] = new_max
+        out[:, :, q0:q1] = acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    out *= v_scale.float().view(1, num_kv_heads, 1, 1, 1)
     # back to token-major rows, keeping only the real ones
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, num_q_heads, head_size)
+    out = out.permute(0, 2, 1, 3, 4).reshape(num_seqs, max_q, num_q_heads, head_size)
     return out[real_row].to(query.dtype)

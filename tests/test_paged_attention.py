@@ -1,0 +1,918 @@
+"""The paged_attention family: ragged_paged_attention and reshape_and_cache on every backend.
+
+Every backend is held to ``ragged_paged_attention_naive`` (the readable definition) on random
+ragged batches drawn by hypothesis; the writes are held to ``reference.quantize`` bit for bit and
+must leave every other cache byte alone; the op contract (input checks, inference-only autograd,
+opcheck, torch.compile, profiler names, FLOP formula) is checked on top.
+
+Examples are kept small (few tokens, few pages): triton runs in its CPU interpreter and pallas in
+interpret mode, where a call costs about 0.1-1 s, and pallas compiles each new shape (about 4 s),
+so the per-backend tests share the shapes of ``_fused_spec``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+
+import torch_kernels
+from torch_kernels import backends
+from torch_kernels.ops import paged_attention as ops
+from torch_kernels.reference import paged_attention as reference
+from torch_kernels.selftest import relative_error
+
+from harness import (
+    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend,
+    run_opcheck,
+)
+
+OP, WRITE_OP = ops.OP, ops.WRITE_OP
+BACKENDS = backend_params(OP)
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED = reference.QUANTIZED_DTYPES
+BLOCK_SIZES = (16, 32, 64, 128)
+SCALE_KINDS = ("none", "scalar", "one", "head")  # no scale, shape [], shape [1], shape [Hkv]
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+# The definition computes in float32 too, so for float32 queries the outputs near zero carry both
+# computations' rounding: up to ~1e-4 of the largest output (seen on the reference), 5x the float32
+# tolerance; the max-norm error stays near 1e-6.
+F32_SLACK = 10
+
+# Generated examples per backend in the property test (the explicit ones run on top of these).
+# Pallas compiles each new shape (about 4 s in interpret mode), so it gets the fewest.
+EXAMPLES = {"reference": 40, "triton": 10, "pallas": 3, "sycl": 16}
+
+
+def _dtype_id(dtype) -> str:
+    return "same" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+# ---- random ragged batches ----
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a batch looks like. Sequence ``s`` has ``q_lens[s]`` new tokens, the last of its
+    ``kv_lens[s]`` positions; hypothesis draws these and ``make_batch`` builds the tensors."""
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_kv_heads: int = 1
+    group: int = 1  # query heads per kv head: 1 is MHA, Hkv == 1 and group > 1 is MQA
+    head_size: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32  # query (and new key/value) dtype
+    cache_dtype: torch.dtype | None = None  # None: query's dtype
+    scale: str = "none"  # one of SCALE_KINDS, for k_scale and v_scale
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    logit_scale: float = 1.0  # sm_scale = logit_scale / sqrt(head_size)
+    fused: bool = False  # pass the new tokens' key/value/slot_mapping to the attention call
+    padding: tuple[int, ...] = ()  # tokens whose slot is -1 (they write nothing)
+    spare_blocks: int = 2  # cache blocks no sequence uses
+    extra_pages: int = 1  # block_table columns past the longest sequence's pages (garbage)
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Batch:
+    spec: Spec
+    query: torch.Tensor  # [T, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], every slot holds a valid entry
+    value_cache: torch.Tensor
+    cu_q_lens: torch.Tensor  # int32 [S+1]
+    kv_lens: torch.Tensor  # int32 [S]
+    block_table: torch.Tensor  # int32 [S, max_blocks]; garbage past each sequence's pages
+    sm_scale: float
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    key: torch.Tensor  # [T, Hkv, D] the new tokens, in query's dtype
+    value: torch.Tensor
+    slot_mapping: torch.Tensor  # int64 [T]: each new token's slot, -1 for spec.padding
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query.shape[0]
+
+    def heads_scale(self, which: str) -> torch.Tensor:
+        """k_scale or v_scale as the kernels see it: float32 [Hkv]."""
+        scale = self.k_scale if which == "k" else self.v_scale
+        hkv = self.spec.num_kv_heads
+        return torch.ones(hkv) if scale is None else scale.reshape(-1).expand(hkv)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_cache.clone(), self.value_cache.clone()
+
+    def inputs(self, fused: bool | None = None, caches=None, query=None) -> dict:
+        """Keyword arguments of ``torch_kernels.ragged_paged_attention`` for this batch."""
+        fused = self.spec.fused if fused is None else fused
+        key_cache, value_cache = caches if caches is not None else (self.key_cache, self.value_cache)
+        kw = dict(query=self.query if query is None else query, key_cache=key_cache, value_cache=value_cache,
+                  cu_q_lens=self.cu_q_lens, kv_lens=self.kv_lens, block_table=self.block_table,
+                  sm_scale=self.sm_scale, sliding_window=self.spec.sliding_window, soft_cap=self.spec.soft_cap,
+                  k_scale=self.k_scale, v_scale=self.v_scale)
+        if fused:
+            kw.update(key=self.key, value=self.value, slot_mapping=self.slot_mapping)
+        return kw
+
+    def attend(self, caches, fused=None, **extra) -> torch.Tensor:
+        return torch_kernels.ragged_paged_attention(**self.inputs(fused, caches), **extra)
+
+    def write(self, caches, **extra) -> None:
+        torch_kernels.reshape_and_cache(self.key, self.value, *caches, self.slot_mapping, self.k_scale,
+                                        self.v_scale, **extra)
+
+    def expected(self, fused=None):
+        """The definition's float32 output and the caches it leaves (on copies of this batch's)."""
+        caches = self.caches()
+        out = reference.ragged_paged_attention_naive(**self.inputs(fused, caches, query=self.query.float()))
+        return out, caches
+
+
+def _scale(kind: str, num_kv_heads: int, gen) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    values = 1 / 48 + torch.rand(num_kv_heads if kind == "head" else 1, generator=gen) * (1 / 16 - 1 / 48)
+    return values.reshape(()) if kind == "scalar" else values
+
+
+def _cache_entries(gen, shape, dtype, heads_scale) -> torch.Tensor:
+    values = torch.randn(shape, generator=gen)
+    return reference.quantize(values, heads_scale, dtype) if dtype in QUANTIZED else values.to(dtype)
+
+
+def slot_of(block_table, block_size: int, seq: int, position: int) -> int:
+    return int(block_table[seq, position // block_size]) * block_size + position % block_size
+
+
+def make_batch(spec: Spec) -> Batch:
+    """Random tensors for ``spec``: each sequence's pages are scattered over a shuffled cache,
+    block-table entries past a sequence's pages hold any int32, caches hold valid entries."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    num_seqs, hkv, d, bs = len(spec.q_lens), spec.num_kv_heads, spec.head_size, spec.block_size
+    hq = hkv * spec.group
+    cache_dtype = spec.cache_dtype or spec.dtype
+    pages = [-(-kv // bs) for kv in spec.kv_lens]
+    num_blocks = sum(pages) + spec.spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.randint(INT32_MIN, INT32_MAX, (num_seqs, max(pages, default=0) + spec.extra_pages),
+                                generator=gen, dtype=torch.int64).to(torch.int32)
+    taken = 0
+    for s, n in enumerate(pages):
+        block_table[s, :n] = order[taken:taken + n]
+        taken += n
+    k_scale, v_scale = _scale(spec.scale, hkv, gen), _scale(spec.scale, hkv, gen)
+    batch = Batch(
+        spec=spec,
+        query=torch.randn(sum(spec.q_lens), hq, d, generator=gen).to(spec.dtype),
+        key_cache=None, value_cache=None,
+        cu_q_lens=torch.tensor([0, *torch.tensor(spec.q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32),
+        kv_lens=torch.tensor(spec.kv_lens, dtype=torch.int32),
+        block_table=block_table,
+        sm_scale=spec.logit_scale / math.sqrt(d),
+        k_scale=k_scale, v_scale=v_scale,
+        key=torch.randn(sum(spec.q_lens), hkv, d, generator=gen).to(spec.dtype),
+        value=torch.randn(sum(spec.q_lens), hkv, d, generator=gen).to(spec.dtype),
+        slot_mapping=None,
+    )
+    shape = (num_blocks, bs, hkv, d)
+    batch.key_cache = _cache_entries(gen, shape, cache_dtype, batch.heads_scale("k"))
+    batch.value_cache = _cache_entries(gen, shape, cache_dtype, batch.heads_scale("v"))
+    slots = [slot_of(block_table, bs, s, kv - q + r)
+             for s, (q, kv) in enumerate(zip(spec.q_lens, spec.kv_lens)) for r in range(q)]
+    batch.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    batch.slot_mapping[list(spec.padding)] = -1
+    return batch
+
+
+@st.composite
+def specs(draw, max_seqs=4, max_q=8, max_ctx=160, head_sizes=(64, 64, 64, 128, 128, 256)):
+    """Ragged batches mixing decode (one token), prefill (no context), chunked prefill and idle
+    sequences (no new token), with partial or exactly full last pages."""
+    block_size = draw(st.sampled_from(BLOCK_SIZES))
+    q_lens, kv_lens = [], []
+    for _ in range(draw(st.integers(1, max_seqs))):
+        kind = draw(st.sampled_from(("decode", "prefill", "chunk", "idle")))
+        q = {"decode": 1, "idle": 0}[kind] if kind in ("decode", "idle") else draw(st.integers(1, max_q))
+        kv = q if kind == "prefill" else q + draw(st.integers(1 if kind == "chunk" else 0, max_ctx))
+        if kind != "prefill" and kv and draw(st.booleans()):  # a full last page
+            kv = -(-kv // block_size) * block_size
+        q_lens.append(q)
+        kv_lens.append(kv)
+    group = draw(st.sampled_from((1, 2, 4, 8)))
+    num_kv_heads = 1 if group == 8 else draw(st.sampled_from((1, 2) if group == 4 else (1, 2, 3)))
+    num_tokens = sum(q_lens)
+    fused = draw(st.booleans())
+    return Spec(
+        q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), num_kv_heads=num_kv_heads, group=group,
+        head_size=draw(st.sampled_from(head_sizes)), block_size=block_size,
+        dtype=draw(st.sampled_from(QUERY_DTYPES)),
+        cache_dtype=draw(st.sampled_from((None, None, *QUANTIZED))),
+        scale=draw(st.sampled_from(SCALE_KINDS)),
+        sliding_window=draw(st.none() | st.integers(1, 64)),
+        soft_cap=draw(st.none() | st.sampled_from((2.0, 10.0, 50.0))),
+        logit_scale=draw(st.sampled_from((1.0, 0.5, 4.0))),
+        fused=fused,
+        padding=tuple(sorted(draw(st.sets(st.integers(0, num_tokens - 1), max_size=2)))) if fused and num_tokens else (),
+        spare_blocks=draw(st.integers(1, 3)), extra_pages=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+# Run on every backend whatever hypothesis draws: together they cover MQA, GQA, every cache
+# dtype and scale shape, windows, soft caps, padding, idle sequences and the big head size.
+EXPLICIT_SPECS = [
+    Spec(q_lens=(1, 1, 1, 1), kv_lens=(1, 17, 33, 100), num_kv_heads=1, group=8, head_size=128, block_size=16,
+         dtype=torch.bfloat16, cache_dtype=torch.float8_e5m2, scale="head", fused=True, seed=1),
+    Spec(q_lens=(0, 7, 0, 5, 1, 0), kv_lens=(9, 7, 40, 69, 64, 0), num_kv_heads=2, group=2, head_size=64,
+         block_size=32, dtype=torch.float16, cache_dtype=torch.int8, scale="scalar", sliding_window=9, fused=True,
+         padding=(3,), seed=2),
+    Spec(q_lens=(3, 1), kv_lens=(130, 129), num_kv_heads=1, group=4, head_size=256, block_size=128,
+         dtype=torch.float32, cache_dtype=torch.float8_e4m3fn, scale="one", soft_cap=10.0, logit_scale=4.0, seed=3),
+    Spec(q_lens=(4, 2), kv_lens=(4, 50), num_kv_heads=3, group=1, head_size=64, block_size=64,
+         dtype=torch.float32, sliding_window=1, extra_pages=2, seed=4),
+    Spec(q_lens=(2, 6), kv_lens=(31, 6), num_kv_heads=2, group=4, head_size=64, block_size=16,
+         dtype=torch.float16, scale="head", sliding_window=20, soft_cap=5.0, fused=True, padding=(0, 7), seed=5),
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).to(torch.int32)
+
+
+def assert_entries_match(got: torch.Tensor, want: torch.Tensor, ulps: int = 0, what: str = "") -> None:
+    """Bit for bit, or with ``ulps`` > 0 within that many steps of the entry dtype."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if ulps == 0:
+        equal = _bits(got) == _bits(want)
+    else:
+        equal = (_bits(got) == _bits(want)) | (got.float() == want.float()) | ((_bits(got) - _bits(want)).abs() <= ulps)
+    if not equal.all():
+        bad = (~equal).nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int((~equal).sum())} of {equal.numel()} entries differ, first at {bad}: "
+                             f"got {got[tuple(bad)].item()} want {want[tuple(bad)].item()}")
+
+
+def assert_attention_close(out, want, dtype, what=""):
+    """harness.assert_close against the definition, with F32_SLACK for float32 queries."""
+    assert_close(out, want, dtype, scale=F32_SLACK if dtype == torch.float32 else 1.0, what=what)
+
+
+def _check_on_backend(spec: Spec, backend: str, ulps: int) -> None:
+    batch = make_batch(spec)
+    want, want_caches = batch.expected()
+    caches = batch.caches()
+    out = batch.attend(caches, implementation=backend)
+    assert backends.last_backend(OP) == backend
+    assert out.dtype == spec.dtype and out.shape == batch.query.shape
+    if batch.num_tokens:
+        assert_attention_close(out, want, spec.dtype, what=f"{backend} output")
+    for name, got, expected in zip(("key_cache", "value_cache"), caches, want_caches):
+        assert_entries_match(got, expected, ulps if spec.fused else 0, what=f"{backend} {name}")
+
+
+def _property_settings(backend: str):
+    fast = backend == "reference"  # a failure shrinks only where calls are cheap
+    return settings(max_examples=EXAMPLES.get(backend, 12), deadline=None, derandomize=True, database=None,
+                    phases=tuple(Phase) if fast else (Phase.explicit, Phase.generate),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_definition(backend):
+    """Random ragged batches on ``backend`` against ragged_paged_attention_naive: output within the
+    query dtype's tolerance, caches written exactly (within one step off the reference)."""
+    require_backend(backend)
+
+    @_property_settings(backend)
+    @given(spec=specs())
+    def check(spec):
+        _check_on_backend(spec, backend, ulps=0 if backend == "reference" else 1)
+
+    for spec in EXPLICIT_SPECS:
+        check = example(spec=spec)(check)
+    check()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=specs(max_seqs=6, max_q=24, max_ctx=250, head_sizes=(64, 128)),
+       tile=st.sampled_from(((None, None), (1, 1), (300, 4), (5000, 7), (1 << 15, 256))))
+def test_vectorized_reference_matches_definition(spec, tile):
+    """The CPU default against the definition on more and longer batches; small tiles (logits
+    elements, query rows) make it walk many query and key tiles and skip the ones no query sees."""
+    elements, rows = tile
+    with mock.patch.object(reference, "_TILE_ELEMENTS", elements or reference._TILE_ELEMENTS), \
+            mock.patch.object(reference, "_MAX_Q_TILE", rows or reference._MAX_Q_TILE):
+        _check_on_backend(spec, "reference", ulps=0)
+
+
+# ---- the fused write, and what writes may touch ----
+
+# (query dtype, cache dtype) of the per-backend tests below; they all use _fused_spec's shapes,
+# so a backend that compiles per shape (pallas) compiles each pair once.
+FUSED_CASES = [
+    (torch.float32, None), (torch.float16, None), (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2),
+]
+
+
+def _fused_spec(dtype=torch.float32, cache_dtype=None, **changes) -> Spec:
+    """Prefill, decode, an idle sequence and chunked prefill over 9 shuffled blocks of 16; tokens
+    1 and 6 are padding (slot -1)."""
+    base = Spec(q_lens=(3, 1, 0, 5), kv_lens=(3, 18, 7, 37), num_kv_heads=2, group=2, head_size=64, block_size=16,
+                dtype=dtype, cache_dtype=cache_dtype, scale="head" if cache_dtype in QUANTIZED else "none",
+                sliding_window=24, fused=True, padding=(1, 6), seed=11)
+    return dataclasses.replace(base, **changes)
+
+
+def _token_position(batch: Batch, t: int) -> tuple[int, int]:
+    """(sequence, position) of query token ``t``."""
+    s = int(torch.searchsorted(batch.cu_q_lens, t, right=True)) - 1
+    return s, int(batch.kv_lens[s]) - int(batch.cu_q_lens[s + 1]) + t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
+def test_fused_write_equals_write_then_attention(backend, dtype, cache_dtype):
+    require_backend(backend)
+    batch = make_batch(_fused_spec(dtype, cache_dtype))
+    fused_caches, separate_caches = batch.caches(), batch.caches()
+    fused = batch.attend(fused_caches, fused=True, implementation=backend)
+    batch.write(separate_caches, implementation=backend)
+    separate = batch.attend(separate_caches, fused=False, implementation=backend)
+    for name, a, b in zip(("key_cache", "value_cache"), fused_caches, separate_caches):
+        assert_entries_match(a, b, what=name)
+    # a fused kernel attends over the quantized new keys, as the write then attention does
+    assert_attention_close(fused, separate.float(), dtype, what="fused vs separate")
+    want, _ = batch.expected()
+    assert_attention_close(fused, want, dtype, what="fused vs definition")
+    # the padding tokens' positions keep what was cached there
+    for t in batch.spec.padding:
+        slot = slot_of(batch.block_table, batch.spec.block_size, *_token_position(batch, t))
+        assert torch.equal(fused_caches[0].flatten(0, 1)[slot].view(torch.uint8),
+                           batch.key_cache.flatten(0, 1)[slot].view(torch.uint8))
+
+
+def _poisoned(cache: torch.Tensor, gen) -> torch.Tensor:
+    """Random bytes, with the first blocks all 0xff (NaN in every float dtype)."""
+    raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), generator=gen, dtype=torch.uint8)
+    poisoned = raw.view(cache.dtype).view(cache.shape).clone()
+    poisoned[: max(1, cache.shape[0] // 2)].view(torch.uint8).fill_(0xFF)
+    return poisoned
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["reshape_and_cache", "fused"])
+@pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
+def test_writes_touch_only_their_slots(backend, how, dtype, cache_dtype):
+    """Over caches of garbage (NaN included): every byte outside slot_mapping stays as it was, and
+    each written slot holds reference.quantize of its token."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(dtype, cache_dtype))
+    gen = torch.Generator().manual_seed(12)
+    caches = tuple(_poisoned(c, gen) for c in (batch.key_cache, batch.value_cache))
+    before = tuple(c.clone() for c in caches)
+    if how == "fused":
+        batch.attend(caches, fused=True, implementation=backend)
+    else:
+        batch.write(caches, implementation=backend)
+    real = batch.slot_mapping >= 0
+    slots = batch.slot_mapping[real]
+    untouched = torch.ones(caches[0].shape[0] * caches[0].shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    for name, cache, old, new, which in zip(("key_cache", "value_cache"), caches, before,
+                                           (batch.key, batch.value), "kv"):
+        flat, old_flat = cache.flatten(0, 1), old.flatten(0, 1)
+        assert torch.equal(flat[untouched].view(torch.uint8), old_flat[untouched].view(torch.uint8)), \
+            f"{name}: a slot outside slot_mapping changed"
+        want = reference.quantize(new[real], batch.heads_scale(which), cache.dtype)
+        assert_entries_match(flat[slots], want, what=f"{name} written slots")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_slot_mapping_writes_as_int64(backend):
+    """torchax hands int64 tensors over as int32 (jax without x64): both index dtypes write alike."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(torch.float32, torch.float32))
+    wide_caches, narrow_caches = batch.caches(), batch.caches()
+    wide = batch.attend(wide_caches, fused=True, implementation=backend)
+    batch.slot_mapping = batch.slot_mapping.int()
+    narrow = batch.attend(narrow_caches, fused=True, implementation=backend)
+    assert torch.equal(wide, narrow)
+    for name, a, b in zip(("key_cache", "value_cache"), wide_caches, narrow_caches):
+        assert torch.equal(a, b), name
+
+
+GARBAGE_BYTE = {torch.int8: 0x7F}  # int8 has no NaN: its largest value; 0xff is NaN in every float dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused"])
+@pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
+def test_attention_ignores_cache_slots_past_kv_len(backend, fused, dtype, cache_dtype):
+    """Caches come from torch.empty in a server: slots past a sequence's kv length (the tail of its
+    last page, pages it does not use) may hold NaN, and must not reach the output."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(dtype, cache_dtype, fused=fused))
+    want, _ = batch.expected()
+    caches = batch.caches()
+    valid = torch.zeros(caches[0].shape[0] * caches[0].shape[1], dtype=torch.bool)
+    for s, kv in enumerate(batch.spec.kv_lens):
+        for p in range(kv):
+            valid[slot_of(batch.block_table, batch.spec.block_size, s, p)] = True
+    if fused:  # the call writes these itself
+        valid[batch.slot_mapping[batch.slot_mapping >= 0]] = False
+    for cache in caches:
+        cache.flatten(0, 1).view(torch.uint8)[~valid] = GARBAGE_BYTE.get(cache.dtype, 0xFF)
+    assert caches[0].isnan().any() or caches[0].dtype == torch.int8
+    out = batch.attend(caches, implementation=backend)
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} non-finite outputs"
+    assert_attention_close(out, want, dtype, what=backend)
+
+
+# ---- quantization ----
+
+def _quantization_probe(cache_dtype, count: int, gen) -> torch.Tensor:
+    """Values where rounding is decided: exact ties (half-way between two cache values), values
+    past the largest (saturation), tiny ones, signed zeros, and ordinary ones."""
+    if cache_dtype == torch.int8:
+        ties = torch.arange(-140, 141, dtype=torch.float32) + 0.5
+        largest = 127.0
+    else:
+        grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype).float()
+        grid = grid[torch.isfinite(grid)].unique()
+        ties = (grid[1:] + grid[:-1]) / 2
+        largest = torch.finfo(cache_dtype).max
+    specials = torch.tensor([0.0, -0.0, largest, -largest, largest * 1.01, -largest * 1.01, largest * 8, -1e30, 1e30,
+                             1e-30, -1e-30, 0.49, 0.5, 1.5, 2.5, -0.5, -1.5])
+    ordinary = torch.randn(count, generator=gen) * largest / 4
+    pool = torch.cat([ties, specials, ordinary])
+    return pool[torch.randint(0, len(pool), (count,), generator=gen)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", QUANTIZED, ids=_dtype_id)
+@pytest.mark.parametrize("scale_kind", ["none", "scalar", "head"])
+def test_reshape_and_cache_quantizes_as_reference(backend, cache_dtype, scale_kind):
+    """Entries are key / scale rounded to the cache dtype: int8 half to even with saturation, fp8
+    to nearest even with saturation, bit for bit as reference.quantize."""
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(21)
+    num_tokens, hkv, d, num_blocks, bs = 24, 3, 64, 4, 16
+    # powers-of-two scales keep value * scale / scale exact, so the ties stay ties
+    heads = {"none": torch.ones(hkv), "scalar": torch.full((hkv,), 0.25),
+             "head": torch.tensor([0.25, 2.0, 0.0625])}[scale_kind]
+    scale = {"none": None, "scalar": torch.tensor(0.25), "head": heads}[scale_kind]
+    slot_mapping = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]
+
+    def tokens(key_dtype):
+        probe = _quantization_probe(cache_dtype, num_tokens * hkv * d, gen).view(num_tokens, hkv, d)
+        return (probe * heads[:, None]).to(key_dtype)
+
+    for key_dtype in (torch.float32, torch.bfloat16):
+        key, value = tokens(key_dtype), tokens(key_dtype)
+        key_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=cache_dtype)
+        value_cache = torch.zeros_like(key_cache)
+        torch_kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scale, scale,
+                                        implementation=backend)
+        assert backends.last_backend(WRITE_OP) == backend
+        for name, cache, new in (("key_cache", key_cache, key), ("value_cache", value_cache, value)):
+            assert_entries_match(cache.flatten(0, 1)[slot_mapping], reference.quantize(new, heads, cache_dtype),
+                                 what=f"{name} from {key_dtype}")
+
+
+def test_quantize_rounds_half_to_even_and_saturates():
+    """The reference's own rounding rules, on hand-picked values."""
+    one = torch.ones(1)
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 200.0, -128.5, -300.0]])
+    assert reference.quantize(x, one, torch.int8).tolist() == [[0, 2, 2, 0, -2, -2, 126, 127, 127, -128, -128]]
+    for dtype in FP8:
+        largest = torch.finfo(dtype).max
+        big = torch.tensor([[largest * 4, -largest * 4, 1e30]])
+        assert reference.quantize(big, one, dtype).float().tolist() == [[largest, -largest, largest]]
+    scaled = reference.quantize(torch.tensor([[8.0, -3.0]]), torch.tensor([4.0]), torch.int8)
+    assert scaled.tolist() == [[2, -1]]  # divided by the scale: 2.0 and -0.75
+
+
+QUANTIZED_ATTENTION = [  # (query dtype, cache dtype, tolerance), pairs of FUSED_CASES
+    (torch.float32, torch.int8, 2e-2), (torch.float32, torch.float8_e4m3fn, 8e-2),
+    (torch.bfloat16, torch.float8_e5m2, 2.5e-1),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", QUANTIZED_ATTENTION,
+                         ids=[_dtype_id(c) for _, c, _ in QUANTIZED_ATTENTION])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+def test_quantized_attention_close_to_full_precision(backend, dtype, cache_dtype, tolerance, per_head):
+    """Quantized caches (scale from the absmax, per tensor or per head) attend close to the float32
+    caches they came from. (The write itself is held to reference.quantize bit for bit above.)"""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(dtype, cache_dtype, fused=False))
+    gen = torch.Generator().manual_seed(31)
+    shape = batch.key_cache.shape
+    full_caches = (torch.randn(shape, generator=gen) * torch.tensor([0.5, 2.0])[:, None],  # heads of different ranges
+                   torch.randn(shape, generator=gen) * torch.tensor([0.3, 2.0])[:, None])
+    full = reference.ragged_paged_attention_naive(**{**batch.inputs(caches=full_caches, query=batch.query.float()),
+                                                     "k_scale": None, "v_scale": None})
+    largest = 127.0 if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max
+    caches, scales = [], []
+    for cache in full_caches:
+        absmax = cache.abs().amax(dim=(0, 1, 3)) if per_head else cache.abs().max().reshape(1)
+        scale = (absmax / largest).float()
+        caches.append(reference.quantize(cache, scale.expand(2), cache_dtype))
+        scales.append(scale)
+    out = torch_kernels.ragged_paged_attention(**{**batch.inputs(caches=tuple(caches)), "k_scale": scales[0],
+                                                  "v_scale": scales[1]}, implementation=backend)
+    err = relative_error(out, full)
+    assert err <= tolerance, f"{cache_dtype}: relative error {err:.3e} > {tolerance}"
+    assert err > 0  # the cache really was quantized
+
+
+# ---- empty and idle sequences ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused"])
+def test_no_query_tokens(backend, fused):
+    require_backend(backend)
+    for spec in (Spec(q_lens=(0, 0, 0), kv_lens=(0, 5, 17), num_kv_heads=2, group=2, fused=fused),
+                 Spec(q_lens=(), kv_lens=(), num_kv_heads=2, group=2, fused=fused, extra_pages=2)):
+        batch = make_batch(spec)
+        caches = batch.caches()
+        out = batch.attend(caches, implementation=backend)
+        assert out.shape == (0, 4, 64) and out.dtype == torch.float32
+        assert torch.equal(caches[0], batch.key_cache) and torch.equal(caches[1], batch.value_cache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reshape_and_cache_of_nothing(backend):
+    require_backend(backend)
+    batch = make_batch(_fused_spec(padding=tuple(range(9))))
+    caches = batch.caches()
+    batch.write(caches, implementation=backend)  # every token padding
+    torch_kernels.reshape_and_cache(batch.key[:0], batch.value[:0], *caches, batch.slot_mapping[:0],
+                                    implementation=backend)  # no token at all
+    assert torch.equal(caches[0], batch.key_cache) and torch.equal(caches[1], batch.value_cache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(backend):
+    """Index tensors, queries and new keys may be views with any strides (the caches may not)."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec())
+    wide = torch.stack([batch.block_table, batch.block_table], dim=2)[:, :, 0]
+    query = torch.stack([batch.query, batch.query], dim=-1)[..., 1]
+    key = batch.key.transpose(0, 1).contiguous().transpose(0, 1)
+    cu = torch.stack([batch.cu_q_lens, batch.cu_q_lens], 1)[:, 1]
+    assert not (wide.is_contiguous() or query.is_contiguous() or key.is_contiguous() or cu.is_contiguous())
+    want, want_caches = batch.expected()
+    caches = batch.caches()
+    out = torch_kernels.ragged_paged_attention(**{**batch.inputs(caches=caches), "query": query, "key": key,
+                                                  "block_table": wide, "cu_q_lens": cu}, implementation=backend)
+    assert_attention_close(out, want, torch.float32)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+
+
+# ---- input checks ----
+
+def _check_batch() -> Batch:
+    # S=3, T=5, pages (1, 1, 2) of 16, 6 blocks (capacity 96), block_table [3, 3], Hkv=2, Hq=4, D=64
+    return make_batch(Spec(q_lens=(2, 0, 3), kv_lens=(5, 7, 20), num_kv_heads=2, group=2, head_size=64,
+                           block_size=16, fused=True, spare_blocks=2, extra_pages=1, seed=51))
+
+
+def _set(name, value):
+    return lambda kw: kw.__setitem__(name, value)
+
+
+def _map(name, fn):
+    return lambda kw: kw.__setitem__(name, fn(kw[name]))
+
+
+def _caches(fn):
+    return lambda kw: kw.update(key_cache=fn(kw["key_cache"]), value_cache=fn(kw["value_cache"]))
+
+
+def _edit(name, edit):
+    """Change one element (or slice) of a copy of argument ``name``: ``edit(tensor)`` mutates it."""
+    def change(kw):
+        kw[name] = kw[name].clone()
+        edit(kw[name])
+    return change
+
+
+def _index(name, index, value):
+    return _edit(name, lambda t: t.__setitem__(index, value))
+
+
+def _non_contiguous(t):
+    return torch.cat([t, t], dim=-1)[..., ::2]
+
+
+ATTENTION_ERRORS = [
+    # (case, change, error, match): match is anchored at the start, so it names the argument
+    ("q_len above kv_len", _index("kv_lens", 0, 1), ValueError, "kv_lens: expected each sequence's kv length"),
+    ("negative kv_len", _index("kv_lens", 1, -1), ValueError, "kv_lens: expected lengths >= 0"),
+    ("kv_len past block_table", _index("kv_lens", 2, 49), ValueError, "kv_lens: expected at most 48 tokens"),
+    ("block id past the cache", _index("block_table", (2, 1), 6), ValueError, "block_table: expected block ids in \\[0, 6\\)"),
+    ("negative block id", _index("block_table", (0, 0), -1), ValueError, "block_table: expected block ids"),
+    ("cu_q_lens decreasing", _set("cu_q_lens", torch.tensor([0, 3, 2, 5], dtype=torch.int32)),
+     ValueError, "cu_q_lens: expected non-decreasing"),
+    ("cu_q_lens not from 0", _set("cu_q_lens", torch.tensor([1, 2, 2, 5], dtype=torch.int32)),
+     ValueError, "cu_q_lens: expected to start at 0"),
+    ("cu_q_lens not to T", _set("cu_q_lens", torch.tensor([0, 2, 2, 4], dtype=torch.int32)),
+     ValueError, "cu_q_lens: expected to end at the number of query tokens 5"),
+    ("cu_q_lens size", _map("cu_q_lens", lambda t: t[:-1]), ValueError, "cu_q_lens: expected size 4"),
+    ("block_table rows", _map("block_table", lambda t: t[:2]), ValueError, "block_table: expected size 3"),
+    ("block_table 1-D", _map("block_table", lambda t: t[0]), ValueError, "block_table: expected 2 dimensions"),
+    ("slot past the cache", _index("slot_mapping", 0, 96), ValueError, "slot_mapping: expected -1 \\(padding\\) or a slot in \\[0, 96\\)"),
+    ("slot below -1", _index("slot_mapping", 4, -2), ValueError, "slot_mapping: expected -1"),
+    ("slot twice", _edit("slot_mapping", lambda t: t.__setitem__(3, t[1].item())), ValueError,
+     "slot_mapping: expected each slot at most once"),
+    ("slot_mapping size", _map("slot_mapping", lambda t: t[:4]), ValueError, "slot_mapping: expected size 5"),
+    ("cu_q_lens int64", _map("cu_q_lens", lambda t: t.long()), TypeError, "cu_q_lens: expected dtype"),
+    ("kv_lens int64", _map("kv_lens", lambda t: t.long()), TypeError, "kv_lens: expected dtype"),
+    ("block_table int64", _map("block_table", lambda t: t.long()), TypeError, "block_table: expected dtype"),
+    ("slot_mapping int16", _map("slot_mapping", lambda t: t.short()), TypeError, "slot_mapping: expected dtype"),
+    ("query int", _map("query", lambda t: t.int()), TypeError, "query: expected dtype"),
+    ("query float64", _map("query", lambda t: t.double()), TypeError, "query: expected dtype"),
+    ("query 2-D", _map("query", lambda t: t[:, 0]), ValueError, "query: expected 3 dimensions"),
+    ("query not a tensor", _map("query", lambda t: t.numpy()), TypeError, "query: expected a torch.Tensor"),
+    ("heads not a multiple", _map("query", lambda t: t[:, :3]), ValueError, "query: expected a number of heads divisible"),
+    ("head size", _map("query", lambda t: t[..., :32]), ValueError, "key_cache: expected size"),
+    ("caches in another float dtype", _caches(lambda t: t.half()), TypeError, "key_cache: expected dtype"),
+    ("caches float64", _caches(lambda t: t.double()), TypeError, "key_cache: expected dtype"),
+    ("caches uint8", _caches(lambda t: t.to(torch.uint8)), TypeError, "key_cache: expected dtype"),
+    ("value_cache dtype", _map("value_cache", lambda t: t.to(torch.int8)), TypeError, "value_cache: expected dtype"),
+    ("value_cache shape", _map("value_cache", lambda t: t[:5].contiguous()), ValueError, "value_cache: expected shape"),
+    ("key_cache 3-D", _map("key_cache", lambda t: t[0]), ValueError, "key_cache: expected 4 dimensions"),
+    ("key_cache not contiguous", _map("key_cache", _non_contiguous), ValueError, "key_cache: expected a contiguous tensor"),
+    ("value_cache not contiguous", _map("value_cache", _non_contiguous), ValueError, "value_cache: expected a contiguous tensor"),
+    ("no cache blocks", _caches(lambda t: t[:0]), ValueError, "key_cache: expected no empty dimension"),
+    ("key dtype", _map("key", lambda t: t.half()), TypeError, "key: expected dtype"),
+    ("value dtype", _map("value", lambda t: t.half()), TypeError, "value: expected dtype"),
+    ("key shape", _map("key", lambda t: t[:, :1]), ValueError, "key: expected shape"),
+    ("value shape", _map("value", lambda t: t[:4]), ValueError, "value: expected shape"),
+    ("key without value", _set("value", None), ValueError, "key, value, slot_mapping: expected all three"),
+    ("key without slot_mapping", _set("slot_mapping", None), ValueError, "key, value, slot_mapping: expected all three"),
+    ("kv_lens on meta", _map("kv_lens", lambda t: t.to("meta")), ValueError, "kv_lens: expected device cpu"),
+    ("k_scale on meta", _set("k_scale", torch.ones(2, device="meta")), ValueError, "k_scale: expected device cpu"),
+    ("slot_mapping on meta", _map("slot_mapping", lambda t: t.to("meta")), ValueError,
+     "slot_mapping: expected device cpu"),
+    ("sliding_window 0", _set("sliding_window", 0), ValueError, "sliding_window: expected None or an int >= 1"),
+    ("sliding_window negative", _set("sliding_window", -4), ValueError, "sliding_window: expected None or an int >= 1"),
+    ("soft_cap 0", _set("soft_cap", 0.0), ValueError, "soft_cap: expected None or a finite number > 0"),
+    ("soft_cap negative", _set("soft_cap", -30.0), ValueError, "soft_cap: expected"),
+    ("soft_cap inf", _set("soft_cap", math.inf), ValueError, "soft_cap: expected"),
+    ("soft_cap nan", _set("soft_cap", math.nan), ValueError, "soft_cap: expected"),
+    ("sm_scale inf", _set("sm_scale", math.inf), ValueError, "sm_scale: expected a finite number"),
+    ("sm_scale nan", _set("sm_scale", math.nan), ValueError, "sm_scale: expected a finite number"),
+    ("k_scale per wrong heads", _set("k_scale", torch.ones(3)), ValueError, "k_scale: expected one float32 scale or one per kv head"),
+    ("k_scale 2-D", _set("k_scale", torch.ones(1, 1)), ValueError, "k_scale: expected one float32 scale"),
+    ("k_scale [Hkv, 1]", _set("k_scale", torch.ones(2, 1)), ValueError, "k_scale: expected one float32 scale"),
+    ("v_scale per wrong heads", _set("v_scale", torch.ones(4)), ValueError, "v_scale: expected one float32 scale"),
+    ("k_scale float64", _set("k_scale", torch.ones(2, dtype=torch.float64)), TypeError, "k_scale: expected dtype"),
+    ("v_scale float16", _set("v_scale", torch.ones((), dtype=torch.float16)), TypeError, "v_scale: expected dtype"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case, change, error, match", ATTENTION_ERRORS, ids=[c[0] for c in ATTENTION_ERRORS])
+def test_attention_bad_inputs_name_the_argument(backend, case, change, error, match):
+    """Rejected before any kernel runs, by an error that starts with the argument's name, and
+    nothing is written."""
+    batch = _check_batch()
+    caches = batch.caches()
+    kw = batch.inputs(fused=True, caches=caches)
+    change(kw)
+    with pytest.raises(error, match="^" + match):
+        torch_kernels.ragged_paged_attention(**kw, implementation=backend)
+    assert torch.equal(caches[0], batch.key_cache) and torch.equal(caches[1], batch.value_cache)
+
+
+ACCEPTED = [
+    ("garbage past used pages", lambda kw: kw.update(block_table=_garbage_table(kw))),
+    ("padding slots twice", _edit("slot_mapping", lambda t: t.__setitem__(slice(0, 2), -1))),
+    ("scale shapes [] and [1]", lambda kw: kw.update(k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0]))),
+    ("window wider than every sequence", _set("sliding_window", 10_000)),
+    ("integer sm_scale", _set("sm_scale", 1)),
+]
+
+
+def _garbage_table(kw):
+    """Past each sequence's pages: the extremes of int32, -1 and the first id past the cache."""
+    table = kw["block_table"].clone()
+    num_blocks, block_size = kw["key_cache"].shape[:2]
+    extremes = [INT32_MIN, -1, num_blocks, INT32_MAX]
+    for s, kv in enumerate(kw["kv_lens"].tolist()):
+        for i, column in enumerate(range(-(-kv // block_size), table.shape[1])):
+            table[s, column] = extremes[(s + i) % len(extremes)]
+    return table
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case, change", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_attention_accepts(backend, case, change):
+    require_backend(backend)
+    batch = make_batch(_fused_spec())
+    kw = batch.inputs(fused=True, caches=batch.caches())
+    change(kw)
+    out = torch_kernels.ragged_paged_attention(**kw, implementation=backend)
+    naive_kw = {**kw, "key_cache": batch.key_cache.clone(), "value_cache": batch.value_cache.clone(),
+                "query": kw["query"].float()}
+    assert_attention_close(out, reference.ragged_paged_attention_naive(**naive_kw), torch.float32, what=case)
+
+
+WRITE_ERRORS = [
+    ("key 2-D", _map("key", lambda t: t[0]), ValueError, "key: expected 3 dimensions"),
+    ("key int", _map("key", lambda t: t.int()), TypeError, "key: expected dtype"),
+    ("key not a tensor", _map("key", lambda t: t.tolist()), TypeError, "key: expected a torch.Tensor"),
+    ("value dtype", _map("value", lambda t: t.bfloat16()), TypeError, "value: expected dtype"),
+    ("value shape", _map("value", lambda t: t[:, :, :32]), ValueError, "value: expected shape"),
+    ("key heads", _map("key", lambda t: torch.cat([t, t], 1)), ValueError, "key: expected shape"),
+    ("cache dtype", _caches(lambda t: t.half()), TypeError, "key_cache: expected dtype"),
+    ("value_cache dtype", _map("value_cache", lambda t: t.to(torch.float8_e4m3fn)), TypeError,
+     "value_cache: expected dtype"),
+    ("value_cache not contiguous", _map("value_cache", _non_contiguous), ValueError, "value_cache: expected a contiguous tensor"),
+    ("slot_mapping int16", _map("slot_mapping", lambda t: t.short()), TypeError, "slot_mapping: expected dtype"),
+    ("slot_mapping size", _map("slot_mapping", lambda t: t[1:]), ValueError, "slot_mapping: expected size 5"),
+    ("slot past the cache", _index("slot_mapping", 2, 1 << 40), ValueError, "slot_mapping: expected -1 \\(padding\\) or a slot"),
+    ("slot twice", _edit("slot_mapping", lambda t: t.__setitem__(0, t[4].item())), ValueError,
+     "slot_mapping: expected each slot at most once"),
+    ("k_scale shape", _set("k_scale", torch.ones(5)), ValueError, "k_scale: expected one float32 scale"),
+    ("v_scale dtype", _set("v_scale", torch.ones(2, dtype=torch.bfloat16)), TypeError, "v_scale: expected dtype"),
+    ("slot_mapping on meta", _map("slot_mapping", lambda t: t.to("meta")), ValueError,
+     "slot_mapping: expected device cpu"),
+    ("key_cache on meta", _caches(lambda t: t.to("meta")), ValueError, "key_cache: expected device cpu"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case, change, error, match", WRITE_ERRORS, ids=[c[0] for c in WRITE_ERRORS])
+def test_write_bad_inputs_name_the_argument(backend, case, change, error, match):
+    batch = _check_batch()
+    caches = batch.caches()
+    kw = dict(key=batch.key, value=batch.value, key_cache=caches[0], value_cache=caches[1],
+              slot_mapping=batch.slot_mapping, k_scale=torch.ones(2), v_scale=None)
+    change(kw)
+    with pytest.raises(error, match="^" + match):
+        torch_kernels.reshape_and_cache(**kw, implementation=backend)
+    assert torch.equal(caches[0], batch.key_cache) and torch.equal(caches[1], batch.value_cache)
+
+
+# ---- autograd: inference only ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_only(backend):
+    """Inputs that require grad under grad mode raise; under no_grad or inference_mode the call runs."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec())
+    query = batch.query.clone().requires_grad_()
+    key = batch.key.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="ragged_paged_attention is inference-only"):
+        torch_kernels.ragged_paged_attention(**batch.inputs(caches=batch.caches(), query=query), implementation=backend)
+    with pytest.raises(RuntimeError, match="reshape_and_cache is inference-only"):
+        torch_kernels.reshape_and_cache(key, batch.value, *batch.caches(), batch.slot_mapping, implementation=backend)
+    want, want_caches = batch.expected()
+    for mode in (torch.no_grad, torch.inference_mode):
+        caches = batch.caches()
+        with mode():
+            out = torch_kernels.ragged_paged_attention(**{**batch.inputs(caches=caches, query=query), "key": key},
+                                                       implementation=backend)
+        assert not out.requires_grad
+        assert_attention_close(out, want, torch.float32, what=mode.__name__)
+        assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+        with mode():
+            torch_kernels.reshape_and_cache(key, batch.value, *caches, batch.slot_mapping, implementation=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("argument", ["key", "value", "k_scale", "v_scale"])
+def test_inference_only_optional_tensors(backend, argument):
+    """The output depends on the new tokens and the scales too: their requiring grad must raise
+    rather than silently give an output without a gradient."""
+    batch = _check_batch()
+    kw = batch.inputs(caches=batch.caches())
+    kw[argument] = (torch.ones(2) if kw[argument] is None else kw[argument].clone()).requires_grad_()
+    with pytest.raises(RuntimeError, match="ragged_paged_attention is inference-only"):
+        torch_kernels.ragged_paged_attention(**kw, implementation=backend)
+    if argument.endswith("scale"):
+        with pytest.raises(RuntimeError, match="reshape_and_cache is inference-only"):
+            torch_kernels.reshape_and_cache(batch.key, batch.value, *batch.caches(), batch.slot_mapping,
+                                            **{argument: kw[argument]}, implementation=backend)
+
+
+# ---- the op contract: opcheck, compile, profiler, FLOPs ----
+
+def _schema_args(batch: Batch, backend: str) -> tuple:
+    kw = batch.inputs(caches=batch.caches())
+    return (kw["query"], kw["key_cache"], kw["value_cache"], kw["cu_q_lens"], kw["kv_lens"], kw["block_table"],
+            kw["sm_scale"], kw["sliding_window"], kw["soft_cap"], kw["k_scale"], kw["v_scale"], kw.get("key"),
+            kw.get("value"), kw.get("slot_mapping"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    require_backend(backend)
+    fused = make_batch(_fused_spec(torch.float32, torch.int8))  # a fused write into int8, with padding
+    run_opcheck(ops.ragged_paged_attention_op, _schema_args(fused, backend))
+    plain = make_batch(_fused_spec(torch.float16, None, fused=False))
+    run_opcheck(ops.ragged_paged_attention_op, _schema_args(plain, backend))
+    key_cache, value_cache = fused.caches()
+    run_opcheck(ops.reshape_and_cache_op, (fused.key, fused.value, key_cache, value_cache, fused.slot_mapping,
+                                           fused.k_scale, fused.v_scale, backend))
+
+
+class DecoderLayer(torch.nn.Module):
+    """Attention of a decoder layer over a paged KV cache, as a serving engine runs it."""
+
+    def __init__(self, hidden: int, num_q_heads: int, num_kv_heads: int, head_size: int):
+        super().__init__()
+        self.shape = (num_q_heads, num_kv_heads, head_size)
+        self.q_proj = torch.nn.Linear(hidden, num_q_heads * head_size)
+        self.k_proj = torch.nn.Linear(hidden, num_kv_heads * head_size)
+        self.v_proj = torch.nn.Linear(hidden, num_kv_heads * head_size)
+        self.o_proj = torch.nn.Linear(num_q_heads * head_size, hidden)
+
+    def forward(self, x, key_cache, value_cache, cu_q_lens, kv_lens, block_table, slot_mapping):
+        hq, hkv, d = self.shape
+        t = x.shape[0]
+        out = torch_kernels.ragged_paged_attention(
+            self.q_proj(x).view(t, hq, d), key_cache, value_cache, cu_q_lens, kv_lens, block_table, d**-0.5,
+            key=self.k_proj(x).view(t, hkv, d), value=self.v_proj(x).view(t, hkv, d), slot_mapping=slot_mapping,
+            implementation="reference",
+        )
+        return x + self.o_proj(out.reshape(t, hq * d))
+
+
+def test_compile_fullgraph_decoder_layer():
+    torch.manual_seed(71)
+    batch = make_batch(Spec(q_lens=(3, 1, 0, 2), kv_lens=(3, 18, 5, 40), num_kv_heads=2, group=2, head_size=32,
+                            block_size=16, fused=True, padding=(4,), seed=72))
+    layer = DecoderLayer(48, 4, 2, 32).eval().requires_grad_(False)
+    x = torch.randn(batch.num_tokens, 48)
+    meta = (batch.cu_q_lens, batch.kv_lens, batch.block_table, batch.slot_mapping)
+    eager_caches, compiled_caches = batch.caches(), batch.caches()
+    compiled = compiled_fullgraph(layer)
+    with torch.no_grad():
+        want = layer(x, *eager_caches, *meta)
+        got = compiled(x, *compiled_caches, *meta)
+    torch.testing.assert_close(got, want)
+    for name, c, e, before in zip(("key_cache", "value_cache"), compiled_caches, eager_caches, batch.caches()):
+        torch.testing.assert_close(c, e, msg=lambda m: f"{name}: {m}")
+        real = batch.slot_mapping[batch.slot_mapping >= 0]
+        assert not torch.equal(c.flatten(0, 1)[real], before.flatten(0, 1)[real]), f"{name}: nothing written"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_profiler_names_op_and_backend(backend):
+    require_backend(backend)
+    batch = make_batch(_fused_spec())
+    caches = batch.caches()
+
+    def run():
+        batch.write(caches, implementation=backend)
+        batch.attend(caches, fused=False, implementation=backend)
+
+    names = profiled_names(run)
+    for op in (WRITE_OP, OP):
+        assert f"torch_kernels::{op}" in names
+        assert f"torch_kernels::{op}[{backend}]" in names
+
+
+def test_cpu_default_is_reference():
+    batch = _check_batch()
+    batch.attend(batch.caches())
+    batch.write(batch.caches())
+    assert backends.last_backend(OP) == backends.last_backend(WRITE_OP) == "reference"
+
+
+def _brute_force_visible(q_lens, kv_lens, window) -> int:
+    return sum(1 for q, kv in zip(q_lens, kv_lens) for p in range(kv - q, kv) for j in range(kv)
+               if j <= p and (window is None or j > p - window))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 40)), max_size=5),
+       window=st.none() | st.integers(1, 50))
+def test_visible_keys_counts_the_pairs(lens, window):
+    q_lens = [q for q, _ in lens]
+    kv_lens = [q + ctx for q, ctx in lens]
+    assert ops.visible_keys(q_lens, kv_lens, window) == _brute_force_visible(q_lens, kv_lens, window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused"])
+def test_flop_counter_counts_the_op(window, fused):
+    batch = make_batch(dataclasses.replace(_check_batch().spec, sliding_window=window, fused=fused))
+    hq, d = batch.query.shape[1:]
+    flops = counted_flops(lambda: batch.attend(batch.caches()))
+    visible = _brute_force_visible(batch.spec.q_lens, batch.spec.kv_lens, window)
+    assert flops == ops.attention_flops(hq, d, batch.spec.q_lens, batch.spec.kv_lens, window) == 4 * hq * d * visible
