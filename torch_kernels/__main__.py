@@ -1,4 +1,4 @@
-"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``bench [args]``."""
+"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``serve`` | ``bench [args]``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="list the backends that run here and check every op on each")
     sub.add_parser("demo", help="out-of-distribution scoring of synthetic features on each backend")
+    serve = sub.add_parser("serve", help="chat with SmolLM2 through the paged-attention serving loop")
+    serve.add_argument("--backend", default=None, help="backend of the attention ops (default: by device)")
+    serve.add_argument("--max-new-tokens", type=int, default=48)
     bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -23,6 +26,8 @@ def main(argv=None) -> int:
         return 0 if doctor() else 1
     if args.command == "demo":
         return demo()
+    if args.command == "serve":
+        return serve_demo(args.backend, args.max_new_tokens)
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
         print(f"bench: {runner} not found; the benchmarks ship with the source checkout", file=sys.stderr)
@@ -63,6 +68,32 @@ def demo() -> int:
     for backend in available_backends():
         s_in, s_out = scorer.score(queries, implementation=backend), scorer.score(outside, implementation=backend)
         print(f"{backend:<10} {auroc(s_in, s_out):>7.3f} {(s_out <= limit).float().mean().item():>11.3f}")
+    return 0
+
+
+def serve_demo(backend, max_new_tokens: int) -> int:
+    """Three chat prompts served together by the continuous-batching loop of torch_kernels.serving."""
+    import time
+
+    from . import models
+    from .serving import Engine
+
+    if (reason := models.missing_reason()) is not None:
+        print(f"serve: {reason}", file=sys.stderr)
+        return 2
+    model, tokenizer = models.load_smollm2()
+    questions = ["What is the capital of France?", "Write a haiku about paged attention.",
+                 "Give three tips for writing clear code."]
+    prompts = [models.chat_prompt(tokenizer, q) for q in questions]
+    engine = Engine(model, num_blocks=64, block_size=16, max_batched_tokens=32, implementation=backend)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, max_new_tokens)
+    seconds = time.perf_counter() - start
+    for question, output in zip(questions, outputs):
+        print(f"> {question}\n{tokenizer.decode(output, skip_special_tokens=True).strip()}\n")
+    mixed = sum(1 for s in engine.stats if s.prefill_tokens and s.decode_tokens)
+    print(f"{sum(map(len, outputs))} tokens in {len(engine.stats)} steps ({mixed} mixing prefill and decode), "
+          f"{seconds:.1f} s, attention on {backend or 'the device default'}")
     return 0
 
 

@@ -1,0 +1,251 @@
+"""A small paged-KV serving loop: a transformers Llama model whose attention runs only through
+:func:`torch_kernels.ragged_paged_attention`, with continuous batching and chunked prefill.
+
+>>> from torch_kernels.models import load_smollm2
+>>> from torch_kernels.serving import Engine
+>>> model, tokenizer = load_smollm2()
+>>> engine = Engine(model, num_blocks=64, block_size=16, max_batched_tokens=64)
+>>> outputs = engine.generate([tokenizer.encode("The capital of France is")], max_new_tokens=8)
+
+How one :meth:`Engine.step` works:
+
+1. Admit waiting requests (first come, first served) while a sequence slot is free and the cache
+   has the blocks the request needs at most, so a running sequence never runs out of blocks.
+2. Schedule up to ``max_batched_tokens`` tokens: one for every decoding sequence first, then the
+   next chunk of each prompt still in prefill. A long prompt is thus split over several steps
+   while the other sequences keep decoding.
+3. Run all scheduled tokens as one ragged, token-major batch ``[T, hidden]``; each layer's
+   attention call writes the new keys and values to their slots and attends over the pages.
+4. Every sequence whose scheduled tokens reached its end gets its next token by greedy argmax.
+   One that hits ``max_new_tokens`` or the end-of-sequence token finishes and returns its
+   blocks to the free list, for the next admitted request to reuse.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch import nn
+
+import torch_kernels
+
+__all__ = ["PagedKVCache", "PagedLlama", "Request", "StepStats", "Engine"]
+
+
+class PagedKVCache:
+    """Per layer a key and a value cache ``[num_blocks, block_size, Hkv, D]``, and a free-block list."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = collections.deque(range(num_blocks))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"PagedKVCache: {n} blocks asked for, {len(self.free)} free")
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class PagedLlama(nn.Module):
+    """Runs a transformers Llama-architecture ``*ForCausalLM`` with its own weights on a ragged
+    batch, attention through the paged-attention op (``implementation=`` goes to the op)."""
+
+    def __init__(self, model: nn.Module, implementation: str | Sequence[str] | None = None):
+        super().__init__()
+        config = model.config
+        inner = getattr(model, "model", None)
+        parts = all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+        if not parts or not hasattr(model, "lm_head") or hasattr(inner.layers[0].self_attn, "q_norm"):
+            raise TypeError(f"model: expected a Llama-architecture *ForCausalLM (no q/k norms), "
+                            f"got {type(model).__name__}")
+        self.model = model
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = inner.layers[0].self_attn.head_dim
+        self.sliding_window = getattr(config, "sliding_window", None)  # Mistral's; None for Llama
+        self.implementation = implementation
+
+    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        weight = self.model.lm_head.weight
+        return PagedKVCache(len(self.model.model.layers), num_blocks, block_size, self.num_kv_heads,
+                            self.head_size, weight.dtype, weight.device)
+
+    def forward(self, cache: PagedKVCache, input_ids, positions, cu_q_lens, kv_lens, block_table, slot_mapping,
+                logit_rows, fused_write: bool = True) -> torch.Tensor:
+        """Logits ``[len(logit_rows), vocab]`` of the given rows of the ragged batch ``input_ids [T]``."""
+        inner, t = self.model.model, input_ids.shape[0]
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = (x[0, :, None] for x in inner.rotary_emb(hidden[None], positions[None]))  # [T, 1, D]
+        for i, layer in enumerate(inner.layers):
+            attn, x = layer.self_attn, layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(t, self.num_heads, self.head_size)
+            k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
+            v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_size)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            args = (cache.key[i], cache.value[i], cu_q_lens, kv_lens, block_table, attn.scaling, self.sliding_window)
+            if fused_write:  # the op writes the new keys and values before attending
+                out = torch_kernels.ragged_paged_attention(q, *args, key=k, value=v, slot_mapping=slot_mapping,
+                                                           implementation=self.implementation)
+            else:
+                torch_kernels.reshape_and_cache(k, v, cache.key[i], cache.value[i], slot_mapping,
+                                                implementation=self.implementation)
+                out = torch_kernels.ragged_paged_attention(q, *args, implementation=self.implementation)
+            hidden = hidden + attn.o_proj(out.reshape(t, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(inner.norm(hidden[logit_rows]))
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence: its prompt, what it generated, and the cache blocks holding its keys and values."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0  # tokens whose keys and values are in the cache
+    finished: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt)
+
+    def blocks_needed(self, cache: PagedKVCache) -> int:
+        # the last generated token is never fed back, so its key and value need no slot
+        return cache.blocks_for(len(self.prompt) + self.max_new_tokens - 1)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one step ran: prompt tokens, decode tokens, and how many sequences they came from."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    seqs: int
+
+
+class Engine:
+    """Continuous batching with chunked prefill and greedy sampling over a :class:`PagedKVCache`.
+
+    The cache holds ``num_blocks`` blocks of ``block_size`` tokens per layer; a step runs at most
+    ``max_batched_tokens`` tokens of at most ``max_seqs`` sequences. ``eos_token_id`` defaults to
+    the model's generation config; ``implementation`` picks the attention ops' backend;
+    ``fused_write=False`` writes the cache with ``reshape_and_cache`` before each attention call
+    instead of inside it.
+    """
+
+    def __init__(self, model: nn.Module, num_blocks: int = 256, block_size: int = 16, max_batched_tokens: int = 256,
+                 max_seqs: int = 16, eos_token_id: int | Sequence[int] | None = None,
+                 implementation: str | Sequence[str] | None = None,
+                 fused_write: bool = True):
+        self.runner = PagedLlama(model, implementation)
+        self.cache = self.runner.make_cache(num_blocks, block_size)
+        self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write
+        eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or ())  # a config may list several
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats: list[StepStats] = []
+        self._next_id = 0
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        seq = Request(self._next_id, list(prompt), max_new_tokens)
+        if not seq.prompt or max_new_tokens < 1:
+            raise ValueError(f"add_request: expected a non-empty prompt and max_new_tokens >= 1, "
+                             f"got {len(seq.prompt)} tokens and {max_new_tokens}")
+        if seq.blocks_needed(self.cache) > self.cache.num_blocks:
+            raise ValueError(f"add_request: {seq.blocks_needed(self.cache)} blocks needed, the cache has "
+                             f"{self.cache.num_blocks} of {self.cache.block_size} tokens")
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_seqs:
+            needed = self.waiting[0].blocks_needed(self.cache)
+            if needed > len(self.cache.free):
+                break  # first come, first served: later requests wait too
+            seq = self.waiting.popleft()
+            seq.blocks = self.cache.allocate(needed)
+            self.running.append(seq)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget, chunks = self.max_batched_tokens, []
+        for seq in sorted(self.running, key=lambda s: s.in_prefill):  # decodes first (stable sort)
+            n = min(len(seq.tokens) - seq.num_cached, budget)
+            if n > 0:
+                chunks.append((seq, n))
+                budget -= n
+        return chunks
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Admit, schedule, run one ragged batch, sample; the sequences that finished in this step."""
+        self._admit()
+        chunks = self._schedule()
+        if not chunks:
+            return []
+        bs, device = self.cache.block_size, self.cache.key[0].device
+        ids, positions, slots, q_lens, kv_lens, rows = [], [], [], [], [], []
+        for seq, n in chunks:
+            span = range(seq.num_cached, seq.num_cached + n)
+            ids += seq.tokens[span.start:span.stop]
+            positions += span
+            slots += [seq.blocks[p // bs] * bs + p % bs for p in span]
+            q_lens.append(n)
+            kv_lens.append(span.stop)
+            rows.append(len(ids) - 1)
+        width = max(len(seq.blocks) for seq, _ in chunks)
+        table = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chunks]  # pad ids are never read
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        sampling = [j for j, (seq, n) in enumerate(chunks) if seq.num_cached + n == len(seq.tokens)]
+        logits = self.runner(
+            self.cache, torch.tensor(ids, **i64), torch.tensor(positions, **i64),
+            torch.tensor([0, *q_lens], **i32).cumsum(0, dtype=torch.int32), torch.tensor(kv_lens, **i32),
+            torch.tensor(table, **i32), torch.tensor(slots, **i64), torch.tensor([rows[j] for j in sampling], **i64),
+            fused_write=self.fused_write,
+        )
+        next_tokens = logits.argmax(dim=-1).tolist()
+        decode = sum(n for seq, n in chunks if not seq.in_prefill)
+        self.stats.append(StepStats(prefill_tokens=len(ids) - decode, decode_tokens=decode, seqs=len(chunks)))
+        for seq, n in chunks:
+            seq.num_cached += n
+        finished = []
+        for j, token in zip(sampling, next_tokens):
+            seq = chunks[j][0]
+            seq.output.append(token)
+            if len(seq.output) == seq.max_new_tokens or token in self.eos_token_ids:
+                seq.finished = True
+                self.cache.release(seq.blocks)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
+        """Greedy continuations of ``prompts`` (token ids), served together; each includes its eos."""
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        seqs = [self.add_request(p, m) for p, m in zip(prompts, limits, strict=True)]
+        while self.waiting or self.running:
+            self.step()
+        return [seq.output for seq in seqs]
