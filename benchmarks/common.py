@@ -20,16 +20,21 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEERS_PYTHON = pathlib.Path(os.environ.get("TORCH_KERNELS_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
 
 
-def seconds_per_call(fn, budget_s: float = 0.5) -> float:
+def seconds_per_call(fn, budget_s: float = 0.5, sync=None) -> float:
     """Wall time of one ``fn()``: the fastest of about ten timed blocks of calls in ``budget_s``.
 
     The minimum, not the mean, because this machine's noise only ever adds time. The first
     call (compiles, caches, kernel loads) is not timed; a call slower than the budget after it
-    is timed once, alone.
+    is timed once, alone. ``sync`` (e.g. ``torch.cuda.synchronize``) waits for an asynchronous
+    device: it runs before each clock reading, so a block counts the work it queued.
     """
     fn()
+    if sync:
+        sync()
     start = time.perf_counter()
     fn()
+    if sync:
+        sync()
     best = time.perf_counter() - start
     if best >= budget_s:
         return best
@@ -40,6 +45,8 @@ def seconds_per_call(fn, budget_s: float = 0.5) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        if sync:
+            sync()
         best = min(best, (time.perf_counter() - start) / calls)
         blocks += 1
     return best
