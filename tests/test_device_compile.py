@@ -84,3 +84,30 @@ def test_triton_paged_attention_compiles_for_gpu(arch, query_dtype, cache_dtype,
     assert f".target sm_{arch}" in ptx
     assert "mma" in ptx  # QK^T and PV run on tensor cores
     assert len(kernel.asm["cubin"]) > 1000
+
+
+def test_sycl_linear_attention_builds_spirv():
+    require_backend("sycl")
+    from oneapi_impl import linear_attention
+
+    binaries = linear_attention.spirv_binaries()
+    assert len(binaries) == 6  # three dtypes, delta rule and gated linear attention
+    for spv in binaries:
+        assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
+
+
+# float32 (tf32x3 dots) and bfloat16 for the delta rule, float16 for gated linear attention
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("dtype, delta", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)])
+def test_triton_linear_attention_compiles_for_gpu(arch, dtype, delta):
+    require_backend("triton")
+    from triton_impl import compile_for
+    from triton_impl import linear_attention
+
+    for name, kernel, signature, constexprs, num_warps, has_dots in linear_attention.compile_targets(dtype, delta):
+        compiled = compile_for(kernel, signature, constexprs, arch, num_warps)
+        ptx = compiled.asm["ptx"]
+        assert f".target sm_{arch}" in ptx, name
+        if has_dots:
+            assert "mma" in ptx, name  # the chunk matmuls run on tensor cores
+        assert len(compiled.asm["cubin"]) > 1000, name

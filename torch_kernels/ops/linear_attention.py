@@ -182,7 +182,7 @@ class _Family:
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
-        return o, ht
+        return o.contiguous(), ht.contiguous()  # as the fake promises (a kernel may work head-major)
 
     def _forward_fake(self, *args):
         q, k, v, g, beta, scale, h0, cu, _, _ = self._unpack(args)
@@ -256,6 +256,9 @@ def _default_scale(q, scale):
 
 def _call_delta(family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, implementation):
+    for name, t, meaning in (("g", g, "the log decay; zeros for none"), ("beta", beta, "the update strength")):
+        if not isinstance(t, torch.Tensor):  # the dispatcher would let None through as an undefined tensor
+            raise TypeError(f"{name}: expected a torch.Tensor ({meaning}), got {type(t).__name__}")
     o, final_state = family.forward_op(q, k, v, g, beta, _default_scale(q, scale), initial_state, cu_seqlens,
                                        bool(use_qk_l2norm_in_kernel), backends.implementation_arg(implementation))
     return o, (final_state if output_final_state else None)

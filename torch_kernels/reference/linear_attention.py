@@ -120,15 +120,18 @@ def _chunk(q, k, v, g, beta, scale, state):
 
 def _chunked_span(q, k, v, g, beta, scale, state, chunk_size):
     """One span of equal-length sequences ``[B, L, HV, *]`` from ``state``; (out, final state)."""
+    if q.shape[1] == 0:  # an empty packed sequence hands its state through
+        return v, state
     heads_first = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731 - [B, HV, L, *]
     q, k, v, g, beta = map(heads_first, (q, k, v, g, beta))
+    # split once rather than slice per chunk: the backward of a slice is a whole-size zero tensor
+    chunks = [x.split(chunk_size, dim=2) for x in (q, k, v, g)]
+    chunks.append([None] * len(chunks[0]) if beta is None else beta.split(chunk_size, dim=2))
     outs = []
-    for start in range(0, q.shape[2], chunk_size):
-        part = slice(start, start + chunk_size)
-        out, state = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part],
-                            None if beta is None else beta[:, :, part], scale, state)
+    for q_c, k_c, v_c, g_c, beta_c in zip(*chunks):
+        out, state = _chunk(q_c, k_c, v_c, g_c, beta_c, scale, state)
         outs.append(out)
-    out = torch.cat(outs, dim=2) if outs else v
+    out = torch.cat(outs, dim=2)
     return out.transpose(1, 2), state
 
 
@@ -145,11 +148,12 @@ def recurrence_chunked(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=N
     if cu_seqlens is None:
         out, final = _chunked_span(q, k, v, g, beta, scale, states, chunk_size)
         return out.to(out_dtype), final
+    lens = [end - start for start, end in spans]
+    pieces = [x.split(lens, dim=1) for x in (q, k, v, g)]  # split, not slice: see _chunked_span
+    pieces.append([None] * len(spans) if beta is None else beta.split(lens, dim=1))
     outs, finals = [], []
-    for n, (start, end) in enumerate(spans):
-        part = slice(start, end)
-        out, final = _chunked_span(q[:, part], k[:, part], v[:, part], g[:, part],
-                                   None if beta is None else beta[:, part], scale, states[n:n + 1], chunk_size)
+    for n, (q_n, k_n, v_n, g_n, beta_n) in enumerate(zip(*pieces)):
+        out, final = _chunked_span(q_n, k_n, v_n, g_n, beta_n, scale, states[n:n + 1], chunk_size)
         outs.append(out)
         finals.append(final)
     return torch.cat(outs, dim=1).to(out_dtype), torch.cat(finals)

@@ -1,0 +1,370 @@
+"""The linear-attention ops (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
+chunk_simple_gla) through their public API on every backend, against the naive float64 recurrence
+(``recurrence_naive``, the definition) and autograd through it.
+
+Errors are relative RMSE (RMS of the difference over RMS of the truth). Bounds in float32: 5e-3
+for outputs and final states, 8e-3 for dq, dk, dv, dh0, 2e-2 for dg and dbeta; every backend is
+held to a tenth of that here (measured errors are about 1e-6). Then what a user relies on beyond
+the math: packed sequences equal separate runs, a state handed over between two halves equals one
+run, a decode step continues a chunked prefill, long sequences stay finite, and the op contract
+(opcheck, torch.compile of a Gated DeltaNet layer forward and backward, profiler names, FLOP
+counts, checked inputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_kernels
+from harness import backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend, run_opcheck
+from torch_kernels import backends
+from torch_kernels.reference import linear_attention as reference
+
+CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA = "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"
+OPS = (CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA)
+BOUNDS = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+MARGIN = 0.1  # every backend is held to this fraction of the bounds
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
+
+
+def relative_rmse(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.detach().double(), expected.detach().double()
+    return ((out - expected).square().mean().sqrt() / expected.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(op, *, batch=1, length=75, heads=2, value_heads=None, k_dim=32, v_dim=32, decay="weak",
+                initial_state=True, l2norm=True, cu_seqlens=None, seed=0, dtype=torch.float32):
+    """Keyword arguments of ``op``; without the in-op l2 norm the delta rule's keys come
+    normalized (as a model feeds them, else the recurrence diverges), and linear attention's keys
+    are scaled down so that its growing state stays O(1)."""
+    delta = op != CHUNK_GLA
+    value_heads = value_heads or heads
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, k_dim, generator=gen)
+    k = torch.randn(batch, length, heads, k_dim, generator=gen)
+    if not (delta and l2norm):
+        k = k / k.norm(dim=-1, keepdim=True) if delta else k * k_dim ** -0.5
+    v = torch.randn(batch, length, value_heads, v_dim, generator=gen)
+    gate = (batch, length, value_heads)
+    g = {"weak": lambda: -0.02 * torch.rand(gate, generator=gen), None: lambda: None if not delta else torch.zeros(gate),
+         "strong": lambda: -5.0 * (0.5 + torch.rand(gate, generator=gen))}[decay]()
+    num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g, scale=k_dim ** -0.5,
+             initial_state=torch.randn(num_states, value_heads, k_dim, v_dim, generator=gen) if initial_state else None,
+             cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32))
+    if delta:
+        x.update(beta=torch.rand(gate, generator=gen), use_qk_l2norm_in_kernel=l2norm)
+    return x
+
+
+def run_op(op, x, **extra):
+    """(o, final_state) of the public op on inputs ``x``."""
+    return getattr(torch_kernels, op)(**x, output_final_state=True, **extra)
+
+
+def definition(op, x):
+    """(o, final state) by the naive recurrence in float64, leaves kept for autograd."""
+    cast = {n: x[n].double() if n in LEAVES and x.get(n) is not None else x.get(n) for n in x}
+    return reference.recurrence_naive(cast["q"], cast["k"], cast["v"], cast["g"], cast.get("beta"), x["scale"],
+                                      cast["initial_state"], x["cu_seqlens"], x.get("use_qk_l2norm_in_kernel", False))
+
+
+def with_grads(x):
+    """A copy of ``x`` whose differentiable inputs require grad: (copy, {name: leaf})."""
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES if x.get(n) is not None}
+    return {**x, **leaves}, leaves
+
+
+def errors_against_definition(op, x, backend):
+    """Relative RMSE of o, the final state and every gradient, the op on ``backend`` vs the definition."""
+    got_x, got_leaves = with_grads(x)
+    o, ht = run_op(op, got_x, implementation=backend)
+    assert backends.last_backend(op) == backend
+    gen = torch.Generator().manual_seed(1)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad([o, ht], list(got_leaves.values()), [do.to(o.dtype), dht])
+    assert backends.last_backend(f"{op}_backward") == backend
+    want_x, want_leaves = with_grads(x)
+    want_o, want_ht = definition(op, want_x)
+    want_grads = torch.autograd.grad([want_o, want_ht], list(want_leaves.values()), [do.double(), dht.double()])
+    assert o.shape == x["v"].shape and o.dtype == x["v"].dtype and ht.dtype == torch.float32
+    errors = {"o": relative_rmse(o, want_o), "final_state": relative_rmse(ht, want_ht)}
+    for name, got, want in zip(got_leaves, grads, want_grads):
+        assert got.shape == want.shape and got.dtype == got_leaves[name].dtype, name
+        errors[GRAD_NAMES[name]] = relative_rmse(got, want)
+    return errors
+
+
+def assert_within(errors, margin=MARGIN):
+    bad = {n: f"{e:.2e} > {BOUNDS[n] * margin:.1e}" for n, e in errors.items() if not e <= BOUNDS[n] * margin}
+    assert not bad, f"relative RMSE: {bad} (all: { {n: f'{e:.1e}' for n, e in errors.items()} })"
+
+
+# Odd lengths around the 64-step chunk, K = 60 / V = 100, grouped value heads, packed sequences
+# (an empty one included), weak, strong and no decay, with and without the in-op l2 norm.
+CASES = {
+    "T1": dict(length=1, batch=2),
+    "T63-K60-V100-strong": dict(length=63, heads=1, k_dim=60, v_dim=100, decay="strong", l2norm=False),
+    "T75-grouped-packed": dict(length=75, heads=1, value_heads=2, cu_seqlens=[0, 11, 11, 75]),
+    "T130-no-decay-no-state": dict(length=130, heads=1, decay=None, initial_state=False),
+}
+
+
+def _case(op, name, **changes):
+    spec = {**CASES[name], **changes}
+    if op == CHUNK_GLA:
+        spec.pop("value_heads", None)  # one value head per head
+    return make_inputs(op, **spec)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_matches_definition(backend, op, case):
+    require_backend(backend)
+    assert_within(errors_against_definition(op, _case(op, case), backend))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_long_odd_length_on_the_cpu_default(op):
+    """T = 500 with K = 60, V = 100 (the other backends meet these shapes in their own tests)."""
+    x = make_inputs(op, length=500, heads=1, value_heads=2 if op != CHUNK_GLA else None, k_dim=60, v_dim=100)
+    assert_within(errors_against_definition(op, x, "reference"))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_packed_equals_separate(backend, op):
+    """Packed sequences (B = 1, cu_seqlens) equal each one run alone, outputs concatenated."""
+    require_backend(backend)
+    lens = [5, 0, 70, 33]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    packed = make_inputs(op, length=cu[-1], cu_seqlens=cu, seed=3)
+    o, ht = run_op(op, packed, implementation=backend)
+    for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        alone = {**packed, "cu_seqlens": None, "initial_state": packed["initial_state"][i:i + 1]}
+        for n in ("q", "k", "v", "g", "beta"):
+            if alone.get(n) is not None:
+                alone[n] = alone[n][:, start:end]
+        if start == end:  # an empty sequence hands its initial state through
+            assert torch.equal(ht[i], packed["initial_state"][i])
+            continue
+        o_i, ht_i = run_op(op, alone, implementation=backend)
+        torch.testing.assert_close(o[:, start:end], o_i, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ht[i:i + 1], ht_i, rtol=1e-5, atol=1e-5)
+
+
+def _halves(x, cut):
+    first, second = dict(x), dict(x)
+    for n in ("q", "k", "v", "g", "beta"):
+        if x.get(n) is not None:
+            first[n], second[n] = x[n][:, :cut], x[n][:, cut:]
+    return first, second
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_state_carried_between_halves(backend, op):
+    """Two calls with the first's final state as the second's initial state equal one call, and
+    the gradient flows back through the handed-over state."""
+    require_backend(backend)
+    x = make_inputs(op, batch=2, length=90, seed=4)
+    whole_x, whole_leaves = with_grads(x)
+    o, ht = run_op(op, whole_x, implementation=backend)
+    split_x, split_leaves = with_grads(x)
+    first, second = _halves(split_x, 37)
+    o1, ht1 = run_op(op, first, implementation=backend)
+    o2, ht2 = run_op(op, {**second, "initial_state": ht1}, implementation=backend)
+    torch.testing.assert_close(torch.cat([o1, o2], dim=1), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht2, ht, rtol=1e-5, atol=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    whole = torch.autograd.grad([o, ht], list(whole_leaves.values()), [do, dht])
+    split = torch.autograd.grad([o1, o2, ht2], list(split_leaves.values()), [do[:, :37], do[:, 37:], dht])
+    for name, a, b in zip(whole_leaves, whole, split):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_decode_step_continues_the_chunked_prefill(backend):
+    """A prompt through chunk_gated_delta_rule, then one token through the recurrent form from
+    its final state: the token's output equals the chunked form's over prompt + token."""
+    require_backend(backend)
+    x = make_inputs(CHUNK_DELTA, length=70, heads=1, value_heads=2, seed=6)
+    prompt, token = _halves(x, 69)
+    _, state = run_op(CHUNK_DELTA, prompt, implementation=backend)
+    o_step, ht_step = run_op(RECURRENT_DELTA, {**token, "initial_state": state}, implementation=backend)
+    o_all, ht_all = run_op(CHUNK_DELTA, x, implementation=backend)
+    torch.testing.assert_close(o_step, o_all[:, 69:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht_step, ht_all, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [CHUNK_DELTA, CHUNK_GLA])
+def test_long_sequence_stays_finite(op):
+    """T = 8192, strong decays and none, forward and backward on the CPU default."""
+    for decay in ("strong", None):
+        x, leaves = with_grads(make_inputs(op, length=8192, heads=1, k_dim=16, v_dim=16, decay=decay, seed=7))
+        o, ht = run_op(op, x)
+        (o.square().sum() + ht.sum()).backward()
+        for name, t in {"o": o, "final_state": ht, **{GRAD_NAMES[n]: leaf.grad for n, leaf in leaves.items()}}.items():
+            assert torch.isfinite(t).all(), f"{decay} decay: {name} not finite"
+        assert o.abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    """16-bit q, k, v: the state and arithmetic stay float32; against the definition on the same
+    rounded inputs."""
+    x = make_inputs(CHUNK_DELTA, length=75, dtype=dtype)
+    errors = errors_against_definition(CHUNK_DELTA, x, "reference")
+    assert_within({n: e for n, e in errors.items() if n != "o"}, margin=1.0)
+    assert errors["o"] <= (2e-3 if dtype == torch.float16 else 1e-2)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_gradcheck_in_float64(op):
+    x = make_inputs(op, length=9, heads=1, value_heads=2 if op != CHUNK_GLA else None, k_dim=4, v_dim=3,
+                    cu_seqlens=[0, 4, 9], dtype=torch.float64)
+    x = {n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in x.items()}
+    x, leaves = with_grads(x)
+    names = list(leaves)
+
+    def fn(*tensors):
+        return run_op(op, {**x, **dict(zip(names, tensors))})
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
+
+
+def _opcheck_args(op, backend):
+    x = make_inputs(op, length=20, heads=1, value_heads=2 if op != CHUNK_GLA else None, k_dim=8, v_dim=8,
+                    cu_seqlens=[0, 7, 20])
+    x, _ = with_grads(x)
+    tensors = [x["q"], x["k"], x["v"], x["g"]] + ([x["beta"]] if op != CHUNK_GLA else [])
+    flags = [x["use_qk_l2norm_in_kernel"]] if op != CHUNK_GLA else []
+    return (*tensors, x["scale"], x["initial_state"], x["cu_seqlens"], *flags, backend)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op):
+    run_opcheck(getattr(torch.ops.torch_kernels, op).default, _opcheck_args(op, "reference"))
+
+
+class GatedDeltaNet(nn.Module):
+    """A Qwen3-Next-style Gated DeltaNet layer: projections, a causal depthwise conv1d with SiLU
+    over q, k, v, the op (l2 norm in it), a gated RMSNorm and the output projection."""
+
+    def __init__(self, hidden=64, heads=2, value_heads=4, k_dim=16, v_dim=16, conv=4):
+        super().__init__()
+        self.heads, self.value_heads, self.k_dim, self.v_dim = heads, value_heads, k_dim, v_dim
+        self.qkv_size = 2 * heads * k_dim + value_heads * v_dim
+        self.in_proj = nn.Linear(hidden, self.qkv_size + value_heads * v_dim + 2 * value_heads, bias=False)
+        self.conv = nn.Conv1d(self.qkv_size, self.qkv_size, conv, groups=self.qkv_size, padding=conv - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(value_heads))
+        self.a_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, value_heads)))
+        self.norm_weight = nn.Parameter(torch.ones(v_dim))
+        self.out_proj = nn.Linear(value_heads * v_dim, hidden, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv, z, b_proj, a_proj = self.in_proj(x).split(
+            [self.qkv_size, self.value_heads * self.v_dim, self.value_heads, self.value_heads], dim=-1)
+        qkv = F.silu(self.conv(qkv.transpose(1, 2))[..., :t].transpose(1, 2))
+        q, k, v = qkv.split([self.heads * self.k_dim, self.heads * self.k_dim, self.value_heads * self.v_dim], -1)
+        q, k = q.view(b, t, self.heads, self.k_dim), k.view(b, t, self.heads, self.k_dim)
+        v = v.view(b, t, self.value_heads, self.v_dim)
+        g = -self.a_log.exp() * F.softplus(a_proj + self.dt_bias)
+        o, _ = torch_kernels.chunk_gated_delta_rule(q, k, v, g, b_proj.sigmoid(), use_qk_l2norm_in_kernel=True)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        o = o * F.silu(z.view(b, t, self.value_heads, self.v_dim))
+        return self.out_proj(o.reshape(b, t, -1))
+
+
+def test_compile_fullgraph_gated_deltanet_layer():
+    torch.manual_seed(0)
+    layer = GatedDeltaNet()
+    x = torch.randn(2, 70, 64)
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = layer(eager_x)
+    eager.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    compiled = compiled_fullgraph(layer)(compiled_x)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), want in zip(layer.named_parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_profiler_names_op_and_backend(op):
+    x, _ = with_grads(make_inputs(op, length=10, heads=1, k_dim=8, v_dim=8))
+
+    def step():
+        o, ht = run_op(op, x)
+        (o.sum() + ht.sum()).backward()
+
+    names = profiled_names(step)
+    for wanted in (f"torch_kernels::{op}", f"torch_kernels::{op}_backward"):
+        assert any(wanted in n for n in names), f"{wanted} not among {sorted(set(names))[:20]}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_flop_counter_counts_the_op(op):
+    x = make_inputs(op, batch=2, length=10, heads=1, value_heads=2 if op != CHUNK_GLA else None, k_dim=8, v_dim=4)
+    per_step = (6 if op != CHUNK_GLA else 4) * 8 * 4
+    assert counted_flops(lambda: run_op(op, x)) == 2 * 10 * x["v"].shape[2] * per_step
+
+
+def test_default_scale_and_optional_final_state():
+    x = make_inputs(CHUNK_DELTA, length=12)
+    o, ht = torch_kernels.chunk_gated_delta_rule(**{**x, "scale": None})
+    assert ht is None
+    torch.testing.assert_close(o, run_op(CHUNK_DELTA, {**x, "scale": 32 ** -0.5})[0])
+
+
+def _bad(op, change):
+    x = make_inputs(op, batch=1, length=6, heads=2, value_heads=4 if op != CHUNK_GLA else None, k_dim=8, v_dim=8)
+    change(x)
+    return x
+
+
+ERRORS = [  # (id, ops, change, error, match): the message starts with the argument's name
+    ("k shape", OPS, lambda x: x.update(k=x["k"][..., :4]), ValueError, "k: expected shape"),
+    ("v time", OPS, lambda x: x.update(v=x["v"][:, :5]), ValueError, "v: expected size 6"),
+    ("v heads not a multiple", (CHUNK_DELTA,), lambda x: x.update(v=x["v"][:, :, :3]), ValueError,
+     "v: expected a number of value heads divisible"),
+    ("gla v heads", (CHUNK_GLA,), lambda x: x.update(v=torch.cat([x["v"]] * 2, 2)), ValueError, "v: expected size 2"),
+    ("v dtype", OPS, lambda x: x.update(v=x["v"].half()), TypeError, "v: expected dtype"),
+    ("q int", OPS, lambda x: x.update(q=x["q"].int()), TypeError, "q: expected dtype"),
+    ("q 3-D", OPS, lambda x: x.update(q=x["q"][0]), ValueError, "q: expected 4 dimensions"),
+    ("q not a tensor", OPS, lambda x: x.update(q=x["q"].tolist()), TypeError, "q: expected a torch.Tensor"),
+    ("g shape", OPS, lambda x: x.update(g=x["g"][:, :, :1]), ValueError, "g: expected shape"),
+    ("beta missing", (CHUNK_DELTA, RECURRENT_DELTA), lambda x: x.update(beta=None), TypeError, "beta: expected"),
+    ("g missing", (CHUNK_DELTA, RECURRENT_DELTA), lambda x: x.update(g=None), TypeError, "g: expected a torch.Tensor"),
+    ("initial_state shape", OPS, lambda x: x.update(initial_state=x["initial_state"][..., :4]), ValueError,
+     "initial_state: expected shape"),
+    ("cu_seqlens with batch 2", OPS, lambda x: x.update(
+        {n: torch.cat([x[n]] * 2) for n in ("q", "k", "v", "g", "beta") if n in x},
+        cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), ValueError, "cu_seqlens: packed sequences need batch"),
+    ("cu_seqlens not to T", OPS, lambda x: x.update(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)),
+     ValueError, "cu_seqlens: expected to end at"),
+    ("cu_seqlens decreasing", OPS, lambda x: x.update(cu_seqlens=torch.tensor([0, 4, 2, 6], dtype=torch.int32),
+                                                      initial_state=None), ValueError, "cu_seqlens: expected non-decreasing"),
+    ("cu_seqlens float", OPS, lambda x: x.update(cu_seqlens=torch.tensor([0.0, 6.0])), TypeError,
+     "cu_seqlens: expected dtype"),
+    ("scale not finite", OPS, lambda x: x.update(scale=float("nan")), ValueError, "scale: expected a finite number"),
+    ("k on meta", OPS, lambda x: x.update(k=x["k"].to("meta")), ValueError, "k: expected"),
+]
+
+
+@pytest.mark.parametrize("op, change, error, match", [
+    pytest.param(op, change, error, match, id=f"{op}-{case}") for case, ops, change, error, match in ERRORS for op in ops])
+def test_bad_inputs_name_the_argument(op, change, error, match):
+    x = _bad(op, change)
+    with pytest.raises(error, match=f"^{match}"):
+        run_op(op, x)

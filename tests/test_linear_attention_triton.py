@@ -1,0 +1,224 @@
+"""The Triton linear-attention kernels (triton_impl.linear_attention), run by the Triton interpreter
+on CPU tensors, against the definition: ``recurrence_naive`` for outputs and final states, autograd
+through it for every gradient, compared by relative RMSE (RMS of the difference over RMS of the
+truth). The interpreter computes in float32 whatever the input dtype (its bfloat16 arithmetic is
+wrong, so the kernels widen every load there), so float32 is held to 1e-4, far inside the 5e-3
+(o, final state), 8e-3 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta) allowed; measured errors are ~1e-6.
+Shapes stay small: the interpreter's cost is per program and per op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import require_backend
+from torch_kernels.reference.linear_attention import recurrence_naive
+
+pytestmark = pytest.mark.usefixtures("triton_available")
+
+FLOAT32_TOLERANCE = 1e-4
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+@pytest.fixture
+def triton_available():
+    require_backend("triton")
+
+
+def relative_rmse(out: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((out.double() - expected).square().mean().sqrt() / expected.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(batch=1, length=75, heads=1, value_heads=1, k_dim=64, v_dim=64, delta=True, gate="weak",
+                initial_state=True, l2norm=True, cu_seqlens=None, seed=0):
+    """Random inputs; without in-kernel normalization the keys come normalized (as a delta-rule
+    model feeds them: else the recurrence diverges) and queries scaled to a similar size."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, k_dim, generator=gen)
+    k = torch.randn(batch, length, heads, k_dim, generator=gen)
+    if not l2norm:
+        k = k / k.norm(dim=-1, keepdim=True)
+        q = q / k_dim ** 0.5
+    v = torch.randn(batch, length, value_heads, v_dim, generator=gen)
+    gate_shape = (batch, length, value_heads)
+    g = {"weak": lambda: -0.02 * torch.rand(gate_shape, generator=gen),
+         "strong": lambda: -5.0 * (0.5 + torch.rand(gate_shape, generator=gen)), None: lambda: None}[gate]()
+    beta = torch.rand(gate_shape, generator=gen) if delta else None
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
+    num_states = batch if cu is None else len(cu_seqlens) - 1
+    h0 = torch.randn(num_states, value_heads, k_dim, v_dim, generator=gen) if initial_state else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, scale=k_dim ** -0.5, initial_state=h0, cu_seqlens=cu,
+                use_qk_l2norm=l2norm)
+
+
+def definition(inputs, do, dht):
+    """(o, final state, {gradient name: tensor}) by the naive recurrence and autograd."""
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: inputs[n].detach().float().requires_grad_() for n in names if inputs[n] is not None}
+    args = {**inputs, **leaves}
+    o, ht = recurrence_naive(args["q"], args["k"], args["v"], args["g"], args["beta"], inputs["scale"],
+                             args["initial_state"], inputs["cu_seqlens"], inputs["use_qk_l2norm"])
+    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+    return o, ht, {"d" + ("h0" if n == "initial_state" else n): g for n, g in zip(leaves, grads)}
+
+
+def cotangents(inputs, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    v, q = inputs["v"], inputs["q"]
+    num_states = q.shape[0] if inputs["cu_seqlens"] is None else inputs["cu_seqlens"].shape[0] - 1
+    do = torch.randn(v.shape, generator=gen)
+    dht = torch.randn(num_states, v.shape[2], q.shape[3], v.shape[3], generator=gen)
+    return do, dht
+
+
+def check_form(form: str, inputs, tolerance=FLOAT32_TOLERANCE):
+    from triton_impl import linear_attention as kernels
+
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "use_qk_l2norm")]
+    do, dht = cotangents(inputs)
+    o_ref, ht_ref, grads_ref = definition(inputs, do, dht)
+    o, ht = getattr(kernels, f"{form}_forward")(*args)
+    assert o.shape == inputs["v"].shape and o.dtype == inputs["v"].dtype
+    assert ht.shape == ht_ref.shape and ht.dtype == torch.float32
+    errors = {"o": relative_rmse(o, o_ref), "ht": relative_rmse(ht, ht_ref)}
+    grads = dict(zip(GRADIENTS, getattr(kernels, f"{form}_backward")(do, dht, *args)))
+    for name, grad in grads.items():
+        if name not in grads_ref:
+            assert grad is None or not grad.any(), f"{name}: a gradient for an absent input"
+            continue
+        assert grad.shape == grads_ref[name].shape, name
+        errors[name] = relative_rmse(grad, grads_ref[name])
+    assert set(errors) == {"o", "ht"} | set(grads_ref)
+    worst = {name: err for name, err in errors.items() if not err <= tolerance}
+    assert not worst, f"relative RMSE above {tolerance}: {worst} (all: {errors})"
+
+
+CHUNK_CASES = {
+    "delta-grouped-weak-h0-l2": dict(length=75, heads=2, value_heads=4),
+    "delta-strong-batch": dict(batch=2, length=130, gate="strong", initial_state=False, l2norm=False),
+    "delta-T1": dict(batch=2, length=1, value_heads=2),
+    "delta-K60-V100-packed": dict(length=63, k_dim=60, v_dim=100, l2norm=False, cu_seqlens=[0, 20, 20, 63]),
+    "delta-no-gate-packed": dict(length=75, value_heads=2, gate=None, initial_state=False,
+                                 cu_seqlens=[0, 64, 75]),
+    "gla-weak-h0": dict(length=130, heads=2, value_heads=2, delta=False),
+    "gla-strong": dict(batch=2, length=63, delta=False, gate="strong", initial_state=False),
+    "gla-no-gate-packed": dict(length=75, delta=False, gate=None, cu_seqlens=[0, 5, 75]),
+    "gla-T1": dict(length=1, delta=False),
+}
+
+RECURRENT_CASES = {
+    "delta-grouped-weak-h0-l2": dict(length=75, heads=2, value_heads=4),
+    "delta-strong": dict(length=63, gate="strong", initial_state=False, l2norm=False),
+    "delta-T1": dict(batch=2, length=1, value_heads=2),
+    "delta-K60-V100-packed": dict(length=63, k_dim=60, v_dim=100, l2norm=False, cu_seqlens=[0, 20, 20, 63]),
+    "delta-no-gate-batch": dict(batch=2, length=63, gate=None),
+    "gla-weak": dict(length=130, delta=False, initial_state=False),
+    "gla-strong": dict(length=63, delta=False, gate="strong"),
+    "gla-no-gate-packed": dict(length=75, delta=False, gate=None, cu_seqlens=[0, 5, 75]),
+}
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES)
+def test_chunk_matches_definition(case):
+    check_form("chunk", make_inputs(**CHUNK_CASES[case]))
+
+
+@pytest.mark.parametrize("case", RECURRENT_CASES)
+def test_recurrent_matches_definition(case):
+    check_form("recurrent", make_inputs(**RECURRENT_CASES[case]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_half_precision_inputs(dtype):
+    """16-bit inputs (the interpreter widens them after loading): against the definition on the
+    same rounded inputs, so only the output's rounding and the normalized q, k's remain."""
+    inputs = make_inputs(length=75, cu_seqlens=[0, 30, 75])
+    for name in ("q", "k", "v"):
+        inputs[name] = inputs[name].to(dtype)
+    check_form("chunk", inputs, tolerance=2e-3 if dtype == torch.float16 else 1e-2)
+
+
+@pytest.mark.parametrize("case", ["delta-strong-batch", "gla-weak-h0"])
+def test_chunk_sixteen_bit_dot_path(case, monkeypatch):
+    """The GPU's path for 16-bit inputs (dot operands, float32 intermediates included, rounded to
+    the input dtype), forced in the interpreter with float16, whose arithmetic it gets right."""
+    from triton_impl import linear_attention as kernels
+
+    monkeypatch.setattr(kernels, "_low_precision", lambda dtype, interpreted: dtype == torch.float16)
+    inputs = make_inputs(**CHUNK_CASES[case])
+    for name in ("q", "k", "v"):
+        inputs[name] = inputs[name].half()
+    check_form("chunk", inputs, tolerance=5e-3)
+
+
+def test_unsupported_inputs_raise_not_implemented():
+    from triton_impl import linear_attention as kernels
+
+    inputs = make_inputs(length=3, k_dim=16, v_dim=16)
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "use_qk_l2norm")]
+    wide = make_inputs(length=2, k_dim=300, v_dim=16)
+    wide_args = [wide[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "use_qk_l2norm")]
+    for fn in (kernels.chunk_forward, kernels.recurrent_forward):
+        with pytest.raises(NotImplementedError, match="^triton: "):
+            fn(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
+        with pytest.raises(NotImplementedError, match="^triton: key head size"):
+            fn(*wide_args)
+
+
+def _op_case(delta: bool, length: int):
+    inputs = make_inputs(length=length, heads=1, value_heads=2 if delta else 1, delta=delta,
+                         cu_seqlens=[0, 11, length], l2norm=delta)
+    leaves = {n: inputs[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")
+              if inputs[n] is not None}
+    return inputs, leaves
+
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"])
+def test_ops_on_triton(op):
+    """The public ops with ``implementation="triton"``: forward and backward against the definition."""
+    import torch_kernels
+    from torch_kernels import backends
+
+    delta = op != "chunk_simple_gla"
+    inputs, leaves = _op_case(delta, 63 if "recurrent" in op else 75)
+    args = {**inputs, **leaves}
+    if delta:
+        o, ht = getattr(torch_kernels, op)(
+            args["q"], args["k"], args["v"], args["g"], args["beta"], scale=inputs["scale"],
+            initial_state=args["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=inputs["cu_seqlens"], implementation="triton")
+    else:
+        o, ht = torch_kernels.chunk_simple_gla(
+            args["q"], args["k"], args["v"], args["g"], scale=inputs["scale"], initial_state=args["initial_state"],
+            output_final_state=True, cu_seqlens=inputs["cu_seqlens"], implementation="triton")
+    assert backends.last_backend(op) == "triton"
+    do, dht = cotangents(inputs)
+    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+    assert backends.last_backend(f"{op}_backward") == "triton"
+    o_ref, ht_ref, grads_ref = definition(inputs, do, dht)
+    assert relative_rmse(o, o_ref) <= FLOAT32_TOLERANCE
+    assert relative_rmse(ht, ht_ref) <= FLOAT32_TOLERANCE
+    for name, grad in zip(leaves, grads):
+        key = "d" + ("h0" if name == "initial_state" else name)
+        assert relative_rmse(grad, grads_ref[key]) <= FLOAT32_TOLERANCE, key
+
+
+def test_op_passes_float64_to_the_next_backend():
+    import torch_kernels
+    from torch_kernels import backends
+
+    inputs = make_inputs(length=5, k_dim=16, v_dim=16)
+    o, _ = torch_kernels.chunk_gated_delta_rule(
+        inputs["q"].double(), inputs["k"].double(), inputs["v"].double(), inputs["g"].double(),
+        inputs["beta"].double(), implementation=["triton", "reference"])
+    assert backends.last_backend("chunk_gated_delta_rule") == "reference"
+    assert o.dtype == torch.float64
+
+
+def test_opcheck_on_triton():
+    """The op's schema, fake and autograd agree with what the Triton kernels return."""
+    x = make_inputs(length=20, value_heads=2, k_dim=16, v_dim=16, cu_seqlens=[0, 7, 20])
+    tensors = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    args = (*tensors, x["scale"], x["initial_state"].requires_grad_(), x["cu_seqlens"], True, "triton")
+    torch.library.opcheck(torch.ops.torch_kernels.chunk_gated_delta_rule.default, args)
