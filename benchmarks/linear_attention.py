@@ -1,0 +1,202 @@
+"""Linear attention against causal softmax attention: forward and forward+backward over length.
+
+    python benchmarks/linear_attention.py [--quick] [--device cpu|cuda] [--budget S]
+
+B = 1, H = 16, D = 128 (K = V = 128), T = 1k to 16k. Timed, on the same device in the same run:
+``chunk_gated_delta_rule`` and ``chunk_simple_gla`` (the backend a user gets there: the reference
+chunked form on CPU, Triton on CUDA), ``scaled_dot_product_attention(is_causal=True)``, and fla's
+chunked kernels (``fla-core``) where they import (CUDA only: they are Triton kernels with
+autotuning, which the CPU interpreter cannot run). Forward+backward is one forward and the
+backward of a random cotangent, every input requiring grad. Reports time, tokens/s, ratios, the
+length from which Gated DeltaNet is faster than attention, and ours vs the naive recurrence.
+Writes ``linear_attention{-quick,}.{md,json,png}`` to ``benchmarks/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import RESULTS, machine_line, markdown_table, seconds_per_call  # noqa: E402
+
+import torch_kernels  # noqa: E402
+from torch_kernels import backends  # noqa: E402
+from torch_kernels.reference.linear_attention import recurrence_naive  # noqa: E402
+
+HEADS, HEAD_SIZE = 16, 128
+K = 1024
+
+
+def inputs(length: int, device, dtype, seed=0):
+    """Gated DeltaNet inputs ``[1, T, H, D]`` as a model feeds them (normalized keys, decays near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, length, HEADS, HEAD_SIZE)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    k = F.normalize(k, dim=-1)
+    g = -0.05 * torch.rand(1, length, HEADS, generator=gen)
+    beta = torch.rand(1, length, HEADS, generator=gen)
+    return {n: t.to(device, dtype if n in "qkv" else torch.float32) for n, t in
+            dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+
+
+def ours_delta(x):
+    return torch_kernels.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
+
+
+def ours_gla(x):
+    return torch_kernels.chunk_simple_gla(x["q"], x["k"] * HEAD_SIZE ** -0.5, x["v"], x["g"])[0]
+
+
+def sdpa(x):
+    q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def fla_implementations():
+    """fla's chunked ops, or the reason they are left out."""
+    if not torch.cuda.is_available():
+        return {}, "fla: left out on CPU (its Triton kernels autotune, which the interpreter cannot run)"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        return {}, f"fla: does not import here ({e})"
+    return {
+        "fla gated delta rule": lambda x: chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
+        "fla simple gla": lambda x: chunk_simple_gla(x["q"], x["k"] * HEAD_SIZE ** -0.5, x["v"], x["g"])[0],
+    }, None
+
+
+def timed(fn, x, backward: bool, budget_s: float, sync) -> float:
+    if not backward:
+        def call():
+            with torch.no_grad():
+                fn(x)
+        return seconds_per_call(call, budget_s, sync)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    cotangent = torch.randn_like(x["v"])
+
+    def call():
+        for t in leaves.values():
+            t.grad = None
+        fn(leaves).backward(cotangent)
+    return seconds_per_call(call, budget_s, sync)
+
+
+def accuracy(device, dtype) -> float:
+    """Relative RMSE of our Gated DeltaNet output against the naive float64 recurrence, T = 1k."""
+    x = inputs(1 * K, device, dtype, seed=1)
+    want, _ = recurrence_naive(*(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), HEAD_SIZE ** -0.5)
+    got = ours_delta(x).double().cpu()
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt()).item()
+
+
+def crossover(rows, ours: str, peer: str, key: str):
+    """The shortest measured length from which ``ours`` is faster than ``peer`` at every longer one."""
+    lengths = sorted({r["T"] for r in rows})
+    found = None
+    for t in reversed(lengths):
+        a = next((r[key] for r in rows if r["T"] == t and r["impl"] == ours), None)
+        b = next((r[key] for r in rows if r["T"] == t and r["impl"] == peer), None)
+        if a is None or b is None or a > b:
+            break
+        found = t
+    return found
+
+
+def plot(rows, impls, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in zip(axes, ("fwd_s", "fwd_bwd_s"), ("forward", "forward + backward")):
+        for impl in impls:
+            points = [(r["T"], r[key] * 1e3) for r in rows if r["impl"] == impl and r[key]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl, linestyle="--" if "sdpa" in impl else "-")
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms per call",
+               title=f"{title}, B=1, H={HEADS}, D={HEAD_SIZE}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T = 1k and 2k only (a smoke test)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else None
+    lengths = (1 * K, 2 * K) if args.quick else (1 * K, 2 * K, 4 * K, 8 * K, 16 * K)
+    budget = args.budget or (0.1 if args.quick else 0.5)
+    fla, fla_note = fla_implementations()
+    impls = {"ours: gated delta rule": ours_delta, "ours: simple gla": ours_gla, "sdpa causal": sdpa, **fla}
+
+    print(f"# linear attention benchmark: {machine_line()}, {device}, {dtype}", flush=True)
+    rows = []
+    for length in lengths:
+        x = inputs(length, device, dtype)
+        for impl, fn in impls.items():
+            fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
+            rows.append({"impl": impl, "T": length, "fwd_s": fwd, "fwd_bwd_s": fwd_bwd})
+            print(f"  T={length:6d} {impl:24s} fwd {fwd * 1e3:9.1f} ms  fwd+bwd {fwd_bwd * 1e3:9.1f} ms", flush=True)
+    backend = backends.last_backend("chunk_gated_delta_rule")
+    error = accuracy(device, dtype)
+
+    header = ["T", "impl", "fwd ms", "fwd tokens/s", "fwd+bwd ms", "fwd+bwd tokens/s", "sdpa / this (fwd)",
+              "sdpa / this (fwd+bwd)"]
+    table = []
+    for r in rows:
+        peer = next(p for p in rows if p["T"] == r["T"] and p["impl"] == "sdpa causal")
+        table.append([f"{r['T'] // K}k", r["impl"], f"{r['fwd_s'] * 1e3:,.1f}", f"{r['T'] / r['fwd_s']:,.0f}",
+                      f"{r['fwd_bwd_s'] * 1e3:,.1f}", f"{r['T'] / r['fwd_bwd_s']:,.0f}",
+                      f"{peer['fwd_s'] / r['fwd_s']:.2f}x", f"{peer['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x"])
+    out = [f"# Linear attention benchmark\n\n{machine_line()}; device {device}, {dtype}"
+           + (" (--quick)" if args.quick else ""),
+           f"\nB = 1, H = {HEADS}, K = V = {HEAD_SIZE}; ours ran on the `{backend}` backend. Time per call: the "
+           f"fastest block of calls in {budget} s (a call slower than that is timed once). Above 1x in the "
+           "last two columns: faster than causal attention.\n", markdown_table(header, table)]
+    bullets = []
+    for key, what in (("fwd_s", "forward"), ("fwd_bwd_s", "forward+backward")):
+        for ours in ("ours: gated delta rule", "ours: simple gla"):
+            t = crossover(rows, ours, "sdpa causal", key)
+            bullets.append(f"- {what}: {ours} is faster than causal attention "
+                           + (f"from T = {t // K}k on (at every measured length from there)." if t else
+                              "at none of the measured lengths (or not at every longer one)."))
+    for t in lengths if fla else ():
+        a = next(r for r in rows if r["T"] == t and r["impl"] == "ours: gated delta rule")
+        b = next(r for r in rows if r["T"] == t and r["impl"] == "fla gated delta rule")
+        bullets.append(f"- T = {t // K}k: fla / ours, gated delta rule forward+backward: "
+                       f"{b['fwd_bwd_s'] / a['fwd_bwd_s']:.2f}x (above 1x: ours is faster)")
+    out.append("\n" + "\n".join(bullets))
+    if fla_note:
+        out.append(f"\n{fla_note}.")
+    out.append(f"\nOurs against the naive float64 recurrence at T = 1k: relative RMSE {error:.1e} (output).")
+    report = "\n".join(out) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = ("-quick" if args.quick else "") + ("-cuda" if cuda else "")
+    (RESULTS / f"linear_attention{suffix}.md").write_text(report)
+    (RESULTS / f"linear_attention{suffix}.json").write_text(json.dumps(
+        {"machine": machine_line(), "device": str(device), "backend": backend, "rows": rows,
+         "relative_rmse_vs_naive": error}, indent=1))
+    plot(rows, list(impls), RESULTS / f"linear_attention{suffix}.png")
+    print(report)
+    print(f"written: {RESULTS}/linear_attention{suffix}.md, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
