@@ -554,6 +554,7 @@ def _scan(q, k, v, g, beta, h0, scale):
 def _recurrent(q, k, v, g, beta, initial_state, gather, scatter, *, scale, l2norm, num_states):
     batch, length, heads, k_dim = q.shape
     value_heads, v_dim = v.shape[2:]
+    out_dtype = v.dtype
     q, k, v = (x.astype(_F32) for x in (q, k, v))
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
@@ -564,7 +565,7 @@ def _recurrent(q, k, v, g, beta, initial_state, gather, scatter, *, scale, l2nor
     packed = [None if x is None else _pack(x, gather) for x in (q, k, v, g, beta)]
     o, final = _scan(*packed, h0, scale)
     o = o.reshape((-1, value_heads, v_dim))[scatter].reshape(batch, length, value_heads, v_dim)
-    return o.astype(v.dtype), final
+    return o.astype(out_dtype), final
 
 
 def _recurrent_args(q, v, scale, cu_seqlens):

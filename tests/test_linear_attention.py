@@ -226,6 +226,18 @@ def test_half_precision_inputs(dtype):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_float16_inputs_give_float16_outputs(backend, op):
+    """The output takes v's dtype and the state stays float32, on every backend."""
+    require_backend(backend)
+    x = make_inputs(op, length=20, heads=1, k_dim=16, v_dim=16, dtype=torch.float16)
+    o, ht = run_op(op, x, implementation=backend)
+    assert (o.dtype, ht.dtype) == (torch.float16, torch.float32)
+    want, _ = definition(op, x)
+    assert relative_rmse(o, want) <= 2e-3
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_gradcheck_in_float64(op):
     x = make_inputs(op, length=9, heads=1, value_heads=2 if op != CHUNK_GLA else None, k_dim=4, v_dim=3,
                     cu_seqlens=[0, 4, 9], dtype=torch.float64)

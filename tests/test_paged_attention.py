@@ -360,6 +360,26 @@ def test_fused_write_equals_write_then_attention(backend, dtype, cache_dtype):
                            batch.key_cache.flatten(0, 1)[slot].view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
+def test_triton_fuses_the_write_into_attention(dtype, cache_dtype, monkeypatch):
+    """Without padding tokens each slot is its own position's, so triton writes inside the attention
+    launch (the separate write launch is made to fail): whole caches bit-identical to the
+    reference's write, the output as the definition's."""
+    require_backend("triton")
+    from triton_impl import paged_attention as kernels
+
+    batch = make_batch(_fused_spec(dtype, cache_dtype, padding=()))
+    fused_caches, separate_caches = batch.caches(), batch.caches()
+    batch.write(separate_caches, implementation="reference")
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "reshape_and_cache", lambda *a: pytest.fail("triton ran a separate write launch"))
+        fused = batch.attend(fused_caches, fused=True, implementation="triton")
+    for name, a, b in zip(("key_cache", "value_cache"), fused_caches, separate_caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    want, _ = batch.expected()
+    assert_attention_close(fused, want, dtype, what="fused vs definition")
+
+
 def _poisoned(cache: torch.Tensor, gen) -> torch.Tensor:
     """Random bytes, with the first blocks all 0xff (NaN in every float dtype)."""
     raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), generator=gen, dtype=torch.uint8)
@@ -702,6 +722,7 @@ ACCEPTED = [
     ("padding slots twice", _edit("slot_mapping", lambda t: t.__setitem__(slice(0, 2), -1))),
     ("scale shapes [] and [1]", lambda kw: kw.update(k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0]))),
     ("window wider than every sequence", _set("sliding_window", 10_000)),
+    ("window past int32", _set("sliding_window", 2**40)),
     ("integer sm_scale", _set("sm_scale", 1)),
 ]
 

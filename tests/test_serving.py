@@ -82,6 +82,9 @@ def test_rejects_a_request_the_cache_cannot_hold(smollm2):
     engine = Engine(smollm2[0], num_blocks=2, block_size=16, implementation="reference")
     with pytest.raises(ValueError, match="3 blocks needed"):
         engine.add_request(list(range(30)), max_new_tokens=4)
+    for name in ("max_seqs", "max_batched_tokens"):
+        with pytest.raises(ValueError, match=f"^{name}: expected an int >= 1"):
+            Engine(smollm2[0], num_blocks=2, **{name: 0})
 
 
 @pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
@@ -93,17 +96,19 @@ def test_backend_matches_generate(smollm2, backend):
     assert engine.generate([prompt], SHORT_NEW_TOKENS) == [_generate(model, prompt, SHORT_NEW_TOKENS)]
 
 
-@pytest.mark.parametrize("architecture", ["mistral", "qwen2"])
+@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "qwen2-window-in-layer-1"])
 def test_other_llama_architectures_match_generate(architecture):
     import transformers  # a test dependency: its absence is a failure, not a skip
-    config_class, model_class = {
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),  # a 7-token window
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # biased q/k/v projections
+    config_class, model_class, extra = {
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=7)),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(sliding_window=None)),  # q/k/v biases
+        # a window in the second layer only: each layer's kind comes from config.layer_types
+        "qwen2-window-in-layer-1": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                                    dict(sliding_window=7, use_sliding_window=True, max_window_layers=1)),
     }[architecture]
     config = config_class(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-                          sliding_window=7 if architecture == "mistral" else None,
-                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(0)  # wide weights, so that the top logits lie well apart
     model = model_class(config).eval()
     gen = torch.Generator().manual_seed(1)

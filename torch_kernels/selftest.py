@@ -12,8 +12,10 @@ from typing import Callable
 import torch
 
 from . import backends
+from .ops import linear_attention as linear_attention_ops
 from .ops import ood as ood_ops
 from .ops import paged_attention as paged_attention_ops
+from .reference import linear_attention as linear_attention_reference
 from .reference import ood as ood_reference
 from .reference import paged_attention as paged_attention_reference
 
@@ -73,10 +75,46 @@ def _paged_attention_definition(*inputs):
     return paged_attention_reference.ragged_paged_attention_naive(*inputs).float()
 
 
+def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48):
+    """Two packed sequences with their own initial states; grouped value heads for the delta rule."""
+    num_heads, value_heads = heads if delta else (heads[0], heads[0])
+    length = cu_seqlens[-1]
+    q = torch.randn(1, length, num_heads, k_dim, generator=gen)
+    k = torch.randn(1, length, num_heads, k_dim, generator=gen)
+    v = torch.randn(1, length, value_heads, v_dim, generator=gen)
+    g = -0.1 * torch.rand(1, length, value_heads, generator=gen)
+    h0 = torch.randn(len(cu_seqlens) - 1, value_heads, k_dim, v_dim, generator=gen)
+    if not delta:  # without the delta rule's l2 norm the state grows with the keys' size
+        k = k * k_dim ** -0.5
+    tensors = [q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), g.to(device)]
+    if delta:
+        tensors.append(torch.rand(1, length, value_heads, generator=gen).to(device))
+    return (*tensors, h0.to(device), torch.tensor(cu_seqlens, dtype=torch.int32, device=device))
+
+
+def _linear_attention_case(op: str) -> Case:
+    delta = op != linear_attention_ops.CHUNK_GLA
+    public = getattr(linear_attention_ops, op)
+
+    def run(*inputs, implementation=None):
+        *tensors, h0, cu = inputs
+        kwargs = {"use_qk_l2norm_in_kernel": True} if delta else {}
+        return public(*tensors, initial_state=h0, cu_seqlens=cu, implementation=implementation, **kwargs)[0]
+
+    def definition(*inputs):
+        *tensors, h0, cu = (t.double() if t.is_floating_point() else t for t in inputs)
+        q, k, v, g, beta = tensors if delta else (*tensors, None)
+        return linear_attention_reference.recurrence_naive(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, cu,
+                                                           use_qk_l2norm=delta)[0]
+
+    return Case(op, lambda gen, dtype, device: linear_attention_inputs(gen, dtype, device, delta), run, definition)
+
+
 CASES = [
     Case("mahalanobis_score", mahalanobis_inputs, ood_ops.mahalanobis_score, ood_reference.mahalanobis_score_naive),
     Case("ragged_paged_attention", paged_attention_inputs, paged_attention_ops.ragged_paged_attention,
          _paged_attention_definition),
+    *(_linear_attention_case(op) for op in linear_attention_ops.OPS),
 ]
 
 
@@ -106,7 +144,7 @@ def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print
     for name, reason in reasons.items():
         print_fn(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
     print_fn("")
-    header = f"{'op':<24} {'backend':<10} {'device':<7} {'dtype':<9} {'max rel err':>12} {'tol':>8} {'result':<6} {'time/call':>11}"
+    header = f"{'op':<32} {'backend':<10} {'device':<7} {'dtype':<9} {'max rel err':>12} {'tol':>8} {'result':<6} {'time/call':>11}"
     print_fn(header)
     print_fn("-" * len(header))
     all_pass = True
@@ -123,7 +161,7 @@ def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print
                     ok = False
                     row = f"{'error':>12} {'':>8} {'FAIL':<6} {type(e).__name__}: {e}"
                 all_pass &= ok
-                print_fn(f"{case.op:<24} {backend:<10} {'cpu':<7} {str(dtype).removeprefix('torch.'):<9} {row}")
+                print_fn(f"{case.op:<32} {backend:<10} {'cpu':<7} {str(dtype).removeprefix('torch.'):<9} {row}")
     print_fn("")
     print_fn("all passed" if all_pass else "SOME CHECKS FAILED")
     return all_pass

@@ -78,7 +78,10 @@ class PagedLlama(nn.Module):
         self.model = model
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_size = inner.layers[0].self_attn.head_dim
-        self.sliding_window = getattr(config, "sliding_window", None)  # Mistral's; None for Llama
+        # Mistral's window; models that mix layer kinds (Qwen2, Gemma) name each layer's
+        window = getattr(config, "sliding_window", None)
+        kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(inner.layers)
+        self.windows = [window if kind == "sliding_attention" else None for kind in kinds]
         self.implementation = implementation
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -98,7 +101,7 @@ class PagedLlama(nn.Module):
             k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
             v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_size)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            args = (cache.key[i], cache.value[i], cu_q_lens, kv_lens, block_table, attn.scaling, self.sliding_window)
+            args = (cache.key[i], cache.value[i], cu_q_lens, kv_lens, block_table, attn.scaling, self.windows[i])
             if fused_write:  # the op writes the new keys and values before attending
                 out = torch_kernels.ragged_paged_attention(q, *args, key=k, value=v, slot_mapping=slot_mapping,
                                                            implementation=self.implementation)
@@ -159,6 +162,9 @@ class Engine:
                  max_seqs: int = 16, eos_token_id: int | Sequence[int] | None = None,
                  implementation: str | Sequence[str] | None = None,
                  fused_write: bool = True):
+        for name, n in (("max_batched_tokens", max_batched_tokens), ("max_seqs", max_seqs)):
+            if not isinstance(n, int) or n < 1:  # else a step could schedule nothing, forever
+                raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
         self.runner = PagedLlama(model, implementation)
         self.cache = self.runner.make_cache(num_blocks, block_size)
         self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write

@@ -182,6 +182,9 @@ class _Family:
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
+        if o.dtype != v.dtype or ht.dtype != reference.compute_dtype(v.dtype):
+            raise RuntimeError(f"{backends.last_backend(self.name)}: returned o {o.dtype} and final state {ht.dtype} "
+                               f"for {v.dtype} inputs (expected {v.dtype}, {reference.compute_dtype(v.dtype)})")
         return o.contiguous(), ht.contiguous()  # as the fake promises (a kernel may work head-major)
 
     def _forward_fake(self, *args):

@@ -105,9 +105,10 @@ def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
     num_seqs = kv_lens.shape[0]
     _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], num_seqs + 1, "sequences S of kv_lens, plus one")
     _checks.size("block_table", 0, block_table.shape[0], num_seqs, "sequences S of kv_lens")
-    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number, got {sm_scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
         raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0 or math.isinf(soft_cap)):
         raise ValueError(f"soft_cap: expected None or a finite number > 0, got {soft_cap!r}")
@@ -236,7 +237,9 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
     heads, device = key_cache.shape[2], query.device
     return backends.dispatch(
         OP, _device_type(query), implementation, query.contiguous(), key_cache, value_cache,
-        cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale), sliding_window,
+        # a window past every int32 length is no window; kernels index positions in int32
+        cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale),
+        None if sliding_window is None or sliding_window >= 2**31 - 1 else sliding_window,
         None if soft_cap is None else float(soft_cap), _scales(k_scale, heads, device), _scales(v_scale, heads, device),
         key, value, slot_mapping,
     )

@@ -118,9 +118,9 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     for s, n in enumerate(q_lens.tolist()):
         if n > 0:
             buckets.setdefault((n - 1).bit_length(), []).append(s)
-    if len(buckets) <= 1:
+    if len(buckets) == 1 and len(next(iter(buckets.values()))) == len(q_lens):
         return _attend_padded(query, cu_q_lens, kv_lens, block_table, *args)
-    out = torch.zeros_like(query)
+    out = torch.zeros_like(query)  # idle sequences (no query rows) are left out: padding them costs
     for seqs in buckets.values():
         seqs = torch.tensor(seqs, device=query.device)
         lens = q_lens[seqs]
