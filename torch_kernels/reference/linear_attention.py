@@ -97,24 +97,35 @@ def recurrence_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=Non
     return out.to(out_dtype), torch.cat(finals)
 
 
+def segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """``seg[..., t, s] = g_{s+1} + ... + g_t`` for ``s <= t`` (0 on the diagonal), -inf above.
+
+    Summed directly rather than as ``b_t - b_s`` of cumulative sums: those cancel in float32
+    once gates grow large (g = -1e4 left the chunked forms ~1e-3 off) and give NaN for g = -inf,
+    a full state reset.
+    """
+    steps = torch.arange(g.shape[-1], device=g.device)
+    strictly_lower = steps[:, None] > steps[None, :]
+    seg = torch.where(strictly_lower, g[..., :, None], 0.0).cumsum(dim=-2)
+    return seg.masked_fill(~(strictly_lower | torch.eye(len(steps), dtype=torch.bool, device=g.device)), float("-inf"))
+
+
 def _chunk(q, k, v, g, beta, scale, state):
     """One chunk of every (batch, head): inputs ``[B, HV, C, *]``, state ``[B, HV, K, V]``."""
-    b = g.cumsum(dim=-1)  # [B, HV, C]
-    steps = torch.arange(b.shape[-1], device=b.device)
-    lower = steps[:, None] >= steps[None, :]
-    # exp(b_t - b_s) for s <= t, 0 above the diagonal (masked before exp: it may overflow there)
-    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    seg = segment_sums(g)  # [B, HV, C, C]
+    decay = seg.exp()  # exp(b_t - b_s) for s <= t, 0 above the diagonal
+    start_decay = g.cumsum(dim=-1).exp()[..., None]  # exp(b_t): from the chunk's start
+    end_decay = seg[..., -1, :].exp()[..., None]  # exp(b_C - b_t): to its end
     if beta is None:
         values = v
     else:
         k_beta = k * beta[..., None]
         system = torch.tril(decay * (k_beta @ k.transpose(-1, -2)), diagonal=-1)
-        system = system + torch.eye(b.shape[-1], dtype=b.dtype, device=b.device)
-        rhs = beta[..., None] * (v - (k * b.exp()[..., None]) @ state)
+        system = system + torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+        rhs = beta[..., None] * (v - (k * start_decay) @ state)
         values = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    out = scale * ((q * b.exp()[..., None]) @ state + (decay * (q @ k.transpose(-1, -2))) @ values)
-    last = b[..., -1:]
-    state = last.exp()[..., None] * state + (k * (last - b).exp()[..., None]).transpose(-1, -2) @ values
+    out = scale * ((q * start_decay) @ state + (decay * (q @ k.transpose(-1, -2))) @ values)
+    state = g.sum(dim=-1).exp()[..., None, None] * state + (k * end_decay).transpose(-1, -2) @ values
     return out, state
 
 
