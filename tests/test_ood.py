@@ -308,29 +308,6 @@ def test_empty_batch():
     assert torch_kernels.mahalanobis_score(x[:0], means, whitener).shape == (0,)
 
 
-# ---- input checks ----
-
-@pytest.mark.parametrize(
-    "change, error, match",
-    [
-        (lambda x, m, w: (x[0], m, w), ValueError, "x: expected 2 dimensions"),
-        (lambda x, m, w: (x, m[0], w), ValueError, "means: expected 2 dimensions"),
-        (lambda x, m, w: (x, m[:, :3], w), ValueError, "means: expected size 4 in dimension 1"),
-        (lambda x, m, w: (x, m, w[:3]), ValueError, "whitener: expected size 4 in dimension 0"),
-        (lambda x, m, w: (x.int(), m, w), TypeError, "x: expected dtype"),
-        (lambda x, m, w: (x.half(), m.double(), w), TypeError, "means: expected dtype"),
-        (lambda x, m, w: (x, m, w.half()), TypeError, "whitener: expected dtype"),
-        (lambda x, m, w: (x, m.to("meta"), w), ValueError, "means: expected device cpu"),
-        (lambda x, m, w: (x.numpy(), m, w), TypeError, "x: expected a torch.Tensor"),
-        (lambda x, m, w: (x, m[:0], w), ValueError, "means: expected at least one class"),
-    ],
-)
-def test_bad_inputs_name_the_argument(change, error, match):
-    x, means, whitener = _inputs(14, torch.float32, (3, 4, 2))
-    with pytest.raises(error, match=match):
-        torch_kernels.mahalanobis_score(*change(x, means, whitener))
-
-
 # ---- backend selection ----
 
 def test_selection_order_and_fallback(monkeypatch):
@@ -480,35 +457,11 @@ def test_dtype_conversion_of_a_model_keeps_the_fit():
         assert_close(scorer(x.half()), expected, torch.float16)
 
 
-def test_fit_errors_name_the_argument():
+def test_fit_with_a_ridge_or_empty_batches():
+    """A ridge makes a singular covariance invertible; empty batches (first or later) add nothing."""
+    MahalanobisScorer(ridge=0.1).fit(torch.randn(3, 8))
     good = torch.randn(50, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="features: the covariance is singular"):
-        MahalanobisScorer().fit(torch.randn(3, 8))
-    MahalanobisScorer(ridge=0.1).fit(torch.randn(3, 8))  # a ridge makes it invertible
-    bad = good.clone()
-    bad[3, 1] = float("nan")
-    with pytest.raises(ValueError, match="features: batch 0 contains NaN or inf"):
-        MahalanobisScorer().fit(bad)
-    with pytest.raises(ValueError, match="features: batch 1 contains NaN or inf"):
-        MahalanobisScorer().fit([good, torch.full((2, 4), float("inf"))])
-    with pytest.raises(ValueError, match="covariance: expected one of"):
-        MahalanobisScorer(covariance="shrunk")
-    for ridge in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="ridge: expected a finite float >= 0"):
-            MahalanobisScorer(ridge=ridge)
-    with pytest.raises(ValueError, match="labels: expected at least one label"):
-        MahalanobisScorer().fit([good[:0]], [torch.zeros(0, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="features: NaN or inf features give scores"):
-        MahalanobisScorer().fit(good).threshold(bad)
-    with pytest.raises(TypeError, match="features: expected dtype"):
-        MahalanobisScorer().fit(torch.ones(5, 2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="labels: batch 0 has 50 rows"):
-        MahalanobisScorer().fit(good, torch.zeros(49, dtype=torch.int64))
-    with pytest.raises(ValueError, match="labels: classes \\[1\\] have no samples"):
-        MahalanobisScorer().fit(good, torch.where(torch.arange(50) < 25, 0, 2))
-    with pytest.raises(ValueError, match="features: a one-shot iterator"):
-        MahalanobisScorer("oas").fit(iter([good]), [torch.zeros(50, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="tpr: expected a fraction"):
-        MahalanobisScorer().fit(good).threshold(good, tpr=1.5)
-    with pytest.raises(RuntimeError, match="call fit"):
-        MahalanobisScorer().score(good)
+    want = MahalanobisScorer().fit(good)
+    got = MahalanobisScorer().fit([good[:0], good[:20], good[:0], good[20:]])
+    torch.testing.assert_close(got.means_, want.means_)
+    torch.testing.assert_close(got.covariance_, want.covariance_)

@@ -80,7 +80,7 @@ def test_continuous_batching_matches_generate(smollm2, chat_prompts, fused_write
 
 def test_rejects_a_request_the_cache_cannot_hold(smollm2):
     engine = Engine(smollm2[0], num_blocks=2, block_size=16, implementation="reference")
-    with pytest.raises(ValueError, match="3 blocks needed"):
+    with pytest.raises(ValueError, match="need 3 blocks"):
         engine.add_request(list(range(30)), max_new_tokens=4)
     for name in ("max_seqs", "max_batched_tokens"):
         with pytest.raises(ValueError, match=f"^{name}: expected an int >= 1"):
@@ -115,3 +115,73 @@ def test_other_llama_architectures_match_generate(architecture):
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 19, 30)]
     engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=10, max_seqs=2, implementation="reference")
     assert engine.generate(prompts, 12) == [_generate(model, p, 12) for p in prompts]
+
+
+def _tiny_llama():
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("prompt, max_new_tokens, error, match", [
+    ([5, 97], 3, ValueError, r"prompts\[1\]: expected token ids in \[0, 97\) .*got 97 at index 1"),
+    ([5, -1], 3, ValueError, r"prompts\[1\]: expected token ids in \[0, 97\)"),
+    ([5, 2.0], 3, TypeError, r"prompts\[1\]: expected int token ids, got float 2.0 at index 1"),
+    ("text", 3, TypeError, r"prompts\[1\]: expected a sequence of token ids"),
+    ([], 3, ValueError, r"prompts\[1\]: expected at least one token"),
+    (torch.tensor([1.0, 2.0]), 3, TypeError, r"prompts\[1\]: expected a 1-D integer tensor"),
+    ([5, 6], 2.5, TypeError, r"max_new_tokens: expected an int, got float"),
+    ([5, 6], 0, ValueError, r"max_new_tokens: expected an int >= 1"),
+    (list(range(40)), 30, ValueError, r"prompts\[1\]: 40 tokens plus max_new_tokens=30 need 18 blocks"),
+])
+def test_a_bad_request_is_rejected_and_the_engine_stays_usable(prompt, max_new_tokens, error, match):
+    """A bad request fails before any request of the call is queued or takes a block; the next
+    call on the same engine serves as if nothing had happened."""
+    model = _tiny_llama()
+    engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=8, implementation="reference")
+    with pytest.raises(error, match=match):
+        engine.generate([[1, 2, 3], prompt], [3, max_new_tokens])
+    assert not engine.waiting and not engine.running and sorted(engine.cache.free) == list(range(16))
+    good = [[1, 2, 3], [4, 5]]
+    assert engine.generate(good, 3) == [_generate(model, p, 3) for p in good]
+    assert sorted(engine.cache.free) == list(range(16))
+
+
+def test_bad_engine_arguments_name_them():
+    model = _tiny_llama()
+    for name, value, error in [("block_size", 0, ValueError), ("block_size", -4, ValueError),
+                               ("num_blocks", 0, ValueError), ("block_size", 2.5, TypeError),
+                               ("max_seqs", True, TypeError)]:
+        with pytest.raises(error, match=f"^{name}: expected an int"):
+            Engine(model, **{name: value})
+    engine = Engine(model, num_blocks=4, block_size=4)
+    for prompts in ("text", torch.tensor([[1, 2]]), 7):
+        with pytest.raises(TypeError, match="^prompts: expected a list of prompts"):
+            engine.generate(prompts, 2)
+    with pytest.raises(ValueError, match=r"^max_new_tokens: expected one limit per prompt \(2\), got 1"):
+        engine.generate([[1], [2]], [3])
+
+
+def test_a_failure_mid_step_releases_the_blocks(monkeypatch):
+    """A step that raises (here the model, on its third call) aborts the sequences it ran, returns
+    their blocks, and the engine then serves the next call normally."""
+    model = _tiny_llama()
+    engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=6, max_seqs=2, implementation="reference")
+    run = engine.runner.forward
+    calls = iter(range(100))
+
+    def failing(*args, **kwargs):
+        if next(calls) == 2:
+            raise RuntimeError("device lost")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", failing)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(prompts, 4)
+    assert not engine.waiting and not engine.running
+    assert sorted(engine.cache.free) == list(range(16)), "blocks leaked"
+    assert engine.generate(prompts, 4) == [_generate(model, p, 4) for p in prompts]

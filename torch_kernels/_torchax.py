@@ -124,7 +124,7 @@ def _paged_attention_implementations():
     def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
                           implementation=None):
         op.check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-        op.check_slots(slot_mapping, key_cache)
+        op.check_slots(slot_mapping, key_cache, k_scale, v_scale)
         write = _first_backend(implementation, writes)
         key_cache._elem, value_cache._elem = write(
             *jax_view((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)))
@@ -134,7 +134,7 @@ def _paged_attention_implementations():
                                value=None, slot_mapping=None, implementation=None):
         op.check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                         soft_cap, k_scale, v_scale, key, value, slot_mapping)
-        op.check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
+        op.check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
         if key is not None:
             op.check_slots(slot_mapping, key_cache)
         attention = _first_backend(implementation, attentions)
@@ -173,7 +173,7 @@ def _linear_attention_implementations():
             args = list(args) + [kwargs.get(a.name, defaults.get(a.name)) for a in arguments[len(args):]]
             q, k, v, g, beta, scale, h0, cu, l2norm, choice = family._unpack(args)
             family._check(q, k, v, g, beta, scale, h0, cu)
-            op.check_offsets(cu, q.shape[1])
+            op.check_values(cu, q.shape[1], g)
             offsets = None if cu is None else tuple(cu.tolist())
             head = (q, k, v, g, beta) if family.delta else (q, k, v, g)
             tail = (bool(l2norm),) if family.delta else ()

@@ -36,6 +36,8 @@ class _Moments:
         self.shift = None
 
     def update(self, batch: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if batch.shape[0] == 0:  # nothing to add, and an empty batch has no mean to shift by
+            return
         u = batch.to(torch.float64)
         if self.shift is None:
             d = u.shape[1]
@@ -120,9 +122,13 @@ class MahalanobisScorer(torch.nn.Module):
                 _checks.tensor("labels", lab, ndim=1, dtypes=(torch.int64, torch.int32, torch.int16, torch.uint8))
                 if lab.numel() and lab.min() < 0:
                     raise ValueError(f"labels: expected class ids >= 0, got {lab.min().item()} in batch {i}")
-            if not any(lab.numel() for lab in label_list):
+            num_labels = sum(lab.numel() for lab in label_list)
+            if not num_labels:
                 raise ValueError("labels: expected at least one label, got none")
             num_classes = int(max(lab.max().item() for lab in label_list if lab.numel())) + 1
+            if num_classes > num_labels:  # every class 0..C-1 needs a sample; also bounds the allocation
+                raise ValueError(f"labels: expected class ids 0..C-1 with every class present, got id "
+                                 f"{num_classes - 1} among only {num_labels} labels")
         else:
             label_list = None
         if label_list is not None and self.covariance != "empirical" and not isinstance(features, (torch.Tensor, Sequence)):
@@ -252,7 +258,9 @@ class MahalanobisScorer(torch.nn.Module):
 
     def threshold(self, features: torch.Tensor, tpr: float = 0.95) -> float:
         """The score below which a fraction ``tpr`` of held-out in-distribution ``features`` fall."""
-        if not isinstance(tpr, (int, float)) or not 0.0 < tpr <= 1.0:
+        if not isinstance(tpr, (int, float)) or isinstance(tpr, bool):
+            raise TypeError(f"tpr: expected a float fraction in (0, 1], got {type(tpr).__name__} {tpr!r}")
+        if not 0.0 < tpr <= 1.0:
             raise ValueError(f"tpr: expected a fraction in (0, 1], got {tpr!r}")
         scores = self.score(features).to(torch.float64)
         if scores.numel() == 0:

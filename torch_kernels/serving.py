@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 from typing import Sequence
 
 import torch
@@ -162,10 +163,11 @@ class Engine:
                  max_seqs: int = 16, eos_token_id: int | Sequence[int] | None = None,
                  implementation: str | Sequence[str] | None = None,
                  fused_write: bool = True):
-        for name, n in (("max_batched_tokens", max_batched_tokens), ("max_seqs", max_seqs)):
-            if not isinstance(n, int) or n < 1:  # else a step could schedule nothing, forever
-                raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
+        for name, n in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("max_batched_tokens", max_batched_tokens), ("max_seqs", max_seqs)):
+            _check_count(name, n)  # a zero budget would schedule nothing, forever
         self.runner = PagedLlama(model, implementation)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.cache = self.runner.make_cache(num_blocks, block_size)
         self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write
         eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
@@ -175,17 +177,51 @@ class Engine:
         self.stats: list[StepStats] = []
         self._next_id = 0
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
-        seq = Request(self._next_id, list(prompt), max_new_tokens)
-        if not seq.prompt or max_new_tokens < 1:
-            raise ValueError(f"add_request: expected a non-empty prompt and max_new_tokens >= 1, "
-                             f"got {len(seq.prompt)} tokens and {max_new_tokens}")
+    def _request(self, prompt, max_new_tokens, name: str = "prompt") -> Request:
+        """A checked request that has taken no id and no blocks yet."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise TypeError(f"{name}: expected a 1-D integer tensor of token ids, got {prompt.dtype} "
+                                f"of shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"{name}: expected a sequence of token ids (ints; encode text with the tokenizer "
+                            f"first), got {type(prompt).__name__}")
+        for i, token in enumerate(prompt):
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise TypeError(f"{name}: expected int token ids, got {type(token).__name__} {token!r} at index {i}")
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"{name}: expected token ids in [0, {self.vocab_size}) (the model's vocabulary), "
+                                 f"got {token} at index {i}")
+        if not prompt:
+            raise ValueError(f"{name}: expected at least one token, got none")
+        _check_count("max_new_tokens", max_new_tokens)
+        seq = Request(-1, [int(token) for token in prompt], int(max_new_tokens))
         if seq.blocks_needed(self.cache) > self.cache.num_blocks:
-            raise ValueError(f"add_request: {seq.blocks_needed(self.cache)} blocks needed, the cache has "
-                             f"{self.cache.num_blocks} of {self.cache.block_size} tokens")
-        self._next_id += 1
+            raise ValueError(f"{name}: {len(seq.prompt)} tokens plus max_new_tokens={max_new_tokens} need "
+                             f"{seq.blocks_needed(self.cache)} blocks, the cache has {self.cache.num_blocks} "
+                             f"of {self.cache.block_size} tokens")
+        return seq
+
+    def _enqueue(self, seq: Request) -> Request:
+        seq.id, self._next_id = self._next_id, self._next_id + 1
         self.waiting.append(seq)
         return seq
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        """Queue ``prompt`` (token ids, a list or a 1-D integer tensor) for up to ``max_new_tokens``
+        new tokens. A bad request raises here, before it is queued or takes any cache block."""
+        return self._enqueue(self._request(prompt, max_new_tokens))
+
+    def abort(self, seq: Request) -> None:
+        """Drop ``seq`` from the queue or the running batch and return its blocks to the free list."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.release(seq.blocks)
+            seq.blocks = []
+        seq.finished = True
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_seqs:
@@ -226,13 +262,19 @@ class Engine:
         table = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chunks]  # pad ids are never read
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         sampling = [j for j, (seq, n) in enumerate(chunks) if seq.num_cached + n == len(seq.tokens)]
-        logits = self.runner(
-            self.cache, torch.tensor(ids, **i64), torch.tensor(positions, **i64),
-            torch.tensor([0, *q_lens], **i32).cumsum(0, dtype=torch.int32), torch.tensor(kv_lens, **i32),
-            torch.tensor(table, **i32), torch.tensor(slots, **i64), torch.tensor([rows[j] for j in sampling], **i64),
-            fused_write=self.fused_write,
-        )
-        next_tokens = logits.argmax(dim=-1).tolist()
+        try:
+            logits = self.runner(
+                self.cache, torch.tensor(ids, **i64), torch.tensor(positions, **i64),
+                torch.tensor([0, *q_lens], **i32).cumsum(0, dtype=torch.int32), torch.tensor(kv_lens, **i32),
+                torch.tensor(table, **i32), torch.tensor(slots, **i64),
+                torch.tensor([rows[j] for j in sampling], **i64), fused_write=self.fused_write,
+            )
+            next_tokens = logits.argmax(dim=-1).tolist()
+        except BaseException:
+            # the step's sequences may have half-written caches: none of them can go on
+            for seq, _ in chunks:
+                self.abort(seq)
+            raise
         decode = sum(n for seq, n in chunks if not seq.in_prefill)
         self.stats.append(StepStats(prefill_tokens=len(ids) - decode, decode_tokens=decode, seqs=len(chunks)))
         for seq, n in chunks:
@@ -250,8 +292,31 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
         """Greedy continuations of ``prompts`` (token ids), served together; each includes its eos."""
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        seqs = [self.add_request(p, m) for p, m in zip(prompts, limits, strict=True)]
-        while self.waiting or self.running:
-            self.step()
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a list of prompts (each a list of token ids), "
+                            f"got {type(prompts).__name__}")
+        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
+            limits = list(max_new_tokens)
+            if len(limits) != len(prompts):
+                raise ValueError(f"max_new_tokens: expected one limit per prompt ({len(prompts)}), got {len(limits)}")
+        else:
+            limits = [max_new_tokens] * len(prompts)
+        # every request is checked before any is queued, so a bad one leaves the engine as it was
+        seqs = [self._request(p, m, f"prompts[{i}]") for i, (p, m) in enumerate(zip(prompts, limits))]
+        for seq in seqs:
+            self._enqueue(seq)
+        try:
+            while self.waiting or self.running:
+                self.step()
+        except BaseException:
+            for seq in seqs:
+                self.abort(seq)
+            raise
         return [seq.output for seq in seqs]
+
+
+def _check_count(name: str, n) -> None:
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+        raise TypeError(f"{name}: expected an int, got {type(n).__name__} {n!r}")
+    if n < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {n}")

@@ -15,6 +15,7 @@ absent input may be None.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -114,18 +115,26 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_be
     _checks.same_device(q=q, k=k, v=v, **present)
 
 
-def check_offsets(cu_seqlens, length: int) -> None:
-    """Packed sequence offsets start at 0, never decrease and end at T (reads them once)."""
-    if cu_seqlens is None:
+def check_values(cu_seqlens, length: int, g) -> None:
+    """Packed sequence offsets start at 0, never decrease and end at T, and no log decay is
+    positive (one host sync for all of it)."""
+    tests = [] if g is None else [(g > 0).any()]
+    if cu_seqlens is not None:
+        tests += [cu_seqlens[0] != 0, (cu_seqlens[1:] < cu_seqlens[:-1]).any(), cu_seqlens[-1] != length]
+    if not tests:
         return
-    first, last, decreasing = torch.stack([cu_seqlens[0], cu_seqlens[-1],
-                                           (cu_seqlens[1:] < cu_seqlens[:-1]).any().to(cu_seqlens.dtype)]).tolist()
-    if first != 0:
-        raise ValueError(f"cu_seqlens: expected to start at 0, got {first}")
-    if decreasing:
+    flags = torch.stack(tests).tolist()
+    if g is not None and flags.pop(0):
+        raise ValueError(f"g: expected log decays <= 0 (exp(g) scales the state down), got {g[g > 0][0].item()} "
+                         f"at index {tuple((g > 0).nonzero()[0].tolist())}")
+    if not flags:
+        return
+    if flags[0]:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got {int(cu_seqlens[0])}")
+    if flags[1]:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_seqlens.tolist()}")
-    if last != length:
-        raise ValueError(f"cu_seqlens: expected to end at the time length T={length}, got {last}")
+    if flags[2]:
+        raise ValueError(f"cu_seqlens: expected to end at the time length T={length}, got {int(cu_seqlens[-1])}")
 
 
 def _state_shape(q, v, cu_seqlens):
@@ -178,7 +187,7 @@ class _Family:
     def _forward_kernel(self, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        check_offsets(cu, q.shape[1])
+        check_values(cu, q.shape[1], g)
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
@@ -202,7 +211,7 @@ class _Family:
     def _backward_kernel(self, do, dht, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        check_offsets(cu, q.shape[1])
+        check_values(cu, q.shape[1], None)  # the forward checked g
         grads = self._run(f"{self.name}_backward", implementation, do.contiguous(), _contiguous(dht),
                           *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(cu), l2norm)
         # the schema returns six tensors: an absent input's gradient is zeros
@@ -254,7 +263,13 @@ chunk_simple_gla_family = _Family(CHUNK_GLA, delta=False, grouped=False)
 def _default_scale(q, scale):
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    return q.shape[-1] ** -0.5 if scale is None else scale
+    if scale is None:
+        if q.dim() == 4 and q.shape[-1] == 0:
+            raise ValueError(f"q: expected a key head size K >= 1, got shape {tuple(q.shape)}")
+        return q.shape[-1] ** -0.5 if q.dim() and q.shape[-1] else 1.0  # else the op's checks say what is wrong
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected None or a float, got {type(scale).__name__} {scale!r}")
+    return float(scale)
 
 
 def _call_delta(family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -20,7 +20,7 @@ backends.register(OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
 
 
 # x's dtype -> the dtypes means and whitener may have
-_PARAM_DTYPES = {dtype: (torch.float64,) if dtype == torch.float64 else (dtype, torch.float32)
+_PARAM_DTYPES = {dtype: (torch.float64,) if dtype == torch.float64 else tuple(dict.fromkeys((dtype, torch.float32)))
                  for dtype in _checks.FLOAT_DTYPES}
 
 

@@ -9,7 +9,8 @@ in place (declared in their schemas, so torch.compile functionalizes them).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import numbers
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -31,6 +32,7 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
 # int64 as vLLM passes it; int32 as it arrives through torchax (jax without x64). Kernels get int64.
 SLOT_DTYPES = (torch.int64, torch.int32)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_cache_pair(key_cache, value_cache, query_dtype) -> None:
@@ -105,13 +107,7 @@ def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
     num_seqs = kv_lens.shape[0]
     _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], num_seqs + 1, "sequences S of kv_lens, plus one")
     _checks.size("block_table", 0, block_table.shape[0], num_seqs, "sequences S of kv_lens")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale!r}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
-    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0 or math.isinf(soft_cap)):
-        raise ValueError(f"soft_cap: expected None or a finite number > 0, got {soft_cap!r}")
+    check_scalars(sm_scale, sliding_window, soft_cap)
     _check_scale("k_scale", k_scale, num_kv_heads)
     _check_scale("v_scale", v_scale, num_kv_heads)
     given = [t is not None for t in (key, value, slot_mapping)]
@@ -126,25 +122,64 @@ def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
                         **_present(k_scale=k_scale, v_scale=v_scale, key=key, value=value, slot_mapping=slot_mapping))
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_scalars(sm_scale, sliding_window=None, soft_cap=None) -> None:
+    """Types first (``TypeError``), then values (``ValueError``); kernels compute in float32."""
+    if not _is_real(sm_scale):
+        raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__} {sm_scale!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, numbers.Integral)
+                                           and not isinstance(sliding_window, bool)):
+        raise TypeError(f"sliding_window: expected None or an int, got {type(sliding_window).__name__} "
+                        f"{sliding_window!r}")
+    if soft_cap is not None and not _is_real(soft_cap):
+        raise TypeError(f"soft_cap: expected None or a float, got {type(soft_cap).__name__} {soft_cap!r}")
+    if not (math.isfinite(sm_scale) and 0 < sm_scale <= FLOAT32_MAX):
+        raise ValueError(f"sm_scale: expected a finite number > 0 (float32: at most {FLOAT32_MAX:.4g}), got {sm_scale!r}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and not (math.isfinite(soft_cap) and 0 < soft_cap <= FLOAT32_MAX):
+        raise ValueError(f"soft_cap: expected None or a finite number > 0 (float32: at most {FLOAT32_MAX:.4g}), "
+                         f"got {soft_cap!r}")
+
+
+def _scale_checks(**scales) -> list[tuple[torch.Tensor, Callable[[], str]]]:
+    """(whether some entry is not a finite number > 0, its error message) for each given scale;
+    read with the op's one host sync for its index checks."""
+    checks = []
+    for name, scale in scales.items():
+        if scale is not None:
+            bad = ~(torch.isfinite(scale) & (scale > 0))
+            checks.append((bad.any(), lambda name=name, scale=scale, bad=bad: (
+                f"{name}: expected finite scales > 0 (a cache entry means entry * scale), "
+                f"got {scale.reshape(-1)[bad.reshape(-1)][0].item()}")))
+    return checks
+
+
 def _raise_first(failures) -> None:
     for failed, message in failures:
         if failed:
             raise ValueError(message())
 
 
-def check_slots(slot_mapping, key_cache) -> None:
-    """Every slot is -1 (padding) or inside the cache, and no two tokens share one."""
+def check_slots(slot_mapping, key_cache, k_scale=None, v_scale=None) -> None:
+    """Every slot is -1 (padding) or inside the cache, no two tokens share one, and the scales
+    are finite and positive."""
     capacity = key_cache.shape[0] * key_cache.shape[1]
     slots = slot_mapping[slot_mapping >= 0]
     ordered = slots.sort().values
     out_of_range = ((slot_mapping < -1) | (slot_mapping >= capacity)).any()
     shared = (ordered[1:] == ordered[:-1]).any()
-    flags = torch.stack([out_of_range, shared]).tolist()  # one device sync for both
+    scales = _scale_checks(k_scale=k_scale, v_scale=v_scale)
+    flags = torch.stack([out_of_range, shared, *(bad for bad, _ in scales)]).tolist()  # one device sync
     _raise_first([
         (flags[0], lambda: "slot_mapping: expected -1 (padding) or a slot in [0, "
                            f"{capacity}) (num_blocks * block_size), got {_first_bad(slot_mapping, (slot_mapping < -1) | (slot_mapping >= capacity))}"),
         (flags[1], lambda: "slot_mapping: expected each slot at most once, got slot "
                            f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice"),
+        *((flag, message) for flag, (_, message) in zip(flags[2:], scales)),
     ])
 
 
@@ -153,8 +188,9 @@ def _first_bad(values, bad) -> str:
     return f"{int(values[index])} at index {index}"
 
 
-def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table) -> None:
-    """Lengths add up, every query row has its key, and every page read is inside the cache."""
+def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale=None, v_scale=None) -> None:
+    """Lengths add up, every query row has its key, every page read is inside the cache, and the
+    scales are finite and positive."""
     num_tokens = query.shape[0]
     num_blocks, block_size = key_cache.shape[:2]
     num_seqs, max_blocks = block_table.shape
@@ -171,7 +207,8 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table) -> None:
         (pages > max_blocks).any(),
         bad_block.any(),
     ]
-    flags = torch.stack(tests).tolist()  # one device sync for every test
+    scales = _scale_checks(k_scale=k_scale, v_scale=v_scale)
+    flags = torch.stack(tests + [bad for bad, _ in scales]).tolist()  # one device sync for every test
     _raise_first([
         (flags[0], lambda: f"cu_q_lens: expected to start at 0, got {int(cu_q_lens[0])}"),
         (flags[1], lambda: f"cu_q_lens: expected non-decreasing offsets, got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}"),
@@ -184,6 +221,7 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table) -> None:
                            f"pages of {block_size}), got {_first_bad(kv_lens, pages > max_blocks)}"),
         (flags[6], lambda: f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses, "
                            f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}"),
+        *((flag, message) for flag, (_, message) in zip(flags[len(tests):], scales)),
     ])
 
 
@@ -206,7 +244,7 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    check_slots(slot_mapping, key_cache)
+    check_slots(slot_mapping, key_cache, k_scale, v_scale)
     heads, device = key_cache.shape[2], key.device
     backends.dispatch(WRITE_OP, _device_type(key), implementation, key.contiguous(), value.contiguous(),
                       key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
@@ -230,7 +268,7 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
                       slot_mapping=None, implementation=None):
     check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                  soft_cap, k_scale, v_scale, key, value, slot_mapping)
-    check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
+    check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
     if key is not None:
         check_slots(slot_mapping, key_cache)
         key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
@@ -387,6 +425,9 @@ def ragged_paged_attention(
     _check_tensors(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
                    kv_lens=kv_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
                    key=key, value=value, slot_mapping=slot_mapping)
-    return ragged_paged_attention_op(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                                     sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
+    check_scalars(sm_scale, sliding_window, soft_cap)  # before the dispatcher parses them less clearly
+    return ragged_paged_attention_op(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, float(sm_scale),
+                                     None if sliding_window is None else int(sliding_window),
+                                     None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value,
+                                     slot_mapping,
                                      backends.implementation_arg(implementation))

@@ -1,0 +1,436 @@
+"""The bad-input tables: for every op family, calls a user might get wrong, each with the
+exception it must raise and the argument its message must start with.
+
+``tests/test_bad_inputs.py`` runs each family's table on every backend (``run(family, backend)``,
+in a process of its own so that a crash or a hang fails the test instead of ending the run) and
+pins every message in full. A row is ``Row(case, argument, error, call)``; ``call(backend)``
+makes the bad call with ``implementation=backend``. Calls that write a KV cache also check that
+a rejected call wrote nothing (an ``AssertionError`` then replaces the expected error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Callable
+
+import torch
+
+import torch_kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    case: str
+    argument: str  # the message starts with "<argument>:"
+    error: type
+    call: Callable[[str], object]
+
+
+def _set(name, value):
+    return lambda kw: kw.__setitem__(name, value)
+
+
+def _map(name, fn):
+    return lambda kw: kw.__setitem__(name, fn(kw[name]))
+
+
+def _index(name, index, value):
+    def change(kw):
+        kw[name] = kw[name].clone()
+        kw[name][index] = value
+    return change
+
+
+def _both_caches(fn):
+    return lambda kw: kw.update(key_cache=fn(kw["key_cache"]), value_cache=fn(kw["value_cache"]))
+
+
+def _non_contiguous(t):
+    return torch.cat([t, t], dim=-1)[..., ::2]
+
+
+# ---- paged attention ----
+
+def _paged_batch() -> dict:
+    """S = 3 sequences (q_lens 2, 0, 3; kv_lens 5, 7, 20), T = 5, Hq = 4, Hkv = 2, D = 64, pages of
+    16 in a cache of 6 blocks (96 slots), block_table [3, 3] with garbage past each sequence's pages."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, hkv, d = 6, 16, 2, 64
+    block_table = torch.tensor([[3, -7, 2**31 - 1], [0, 9, -1], [5, 1, 6]], dtype=torch.int32)
+    slots = [3 * 16 + 3, 3 * 16 + 4, 1 * 16 + 1, 1 * 16 + 2, 1 * 16 + 3]  # positions 3, 4 and 17, 18, 19
+    return dict(
+        query=torch.randn(5, 4, d, generator=gen),
+        key_cache=torch.randn(num_blocks, block_size, hkv, d, generator=gen),
+        value_cache=torch.randn(num_blocks, block_size, hkv, d, generator=gen),
+        cu_q_lens=torch.tensor([0, 2, 2, 5], dtype=torch.int32),
+        kv_lens=torch.tensor([5, 7, 20], dtype=torch.int32),
+        block_table=block_table, sm_scale=0.125, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+        key=torch.randn(5, hkv, d, generator=gen), value=torch.randn(5, hkv, d, generator=gen),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+    )
+
+
+def _unchanged(before: tuple, after: tuple) -> None:
+    for name, b, a in zip(("key_cache", "value_cache"), before, after):
+        if a.device.type != "meta" and b.shape == a.shape and b.dtype == a.dtype and not torch.equal(a, b):
+            raise AssertionError(f"{name}: a rejected call wrote to the cache")
+
+
+def _attention(change) -> Callable[[str], object]:
+    def call(backend):
+        kw = _paged_batch()
+        change(kw)
+        before = [kw[n].clone() if isinstance(kw[n], torch.Tensor) else None for n in ("key_cache", "value_cache")]
+        try:
+            return torch_kernels.ragged_paged_attention(**kw, implementation=backend)
+        finally:
+            if all(isinstance(b, torch.Tensor) for b in before):
+                _unchanged(before, (kw["key_cache"], kw["value_cache"]))
+    return call
+
+
+def _write(change) -> Callable[[str], object]:
+    def call(backend):
+        batch = _paged_batch()
+        kw = {n: batch[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
+        kw.update(k_scale=torch.ones(2), v_scale=None)
+        change(kw)
+        before = [kw[n].clone() if isinstance(kw[n], torch.Tensor) else None for n in ("key_cache", "value_cache")]
+        try:
+            return torch_kernels.reshape_and_cache(**kw, implementation=backend)
+        finally:
+            if all(isinstance(b, torch.Tensor) for b in before):
+                _unchanged(before, (kw["key_cache"], kw["value_cache"]))
+    return call
+
+
+ATTENTION = [  # (case, argument, error, change of the good call's keyword arguments)
+    ("q_len above kv_len", "kv_lens", ValueError, _index("kv_lens", 0, 1)),
+    ("negative kv_len", "kv_lens", ValueError, _index("kv_lens", 1, -1)),
+    ("kv_len past block_table", "kv_lens", ValueError, _index("kv_lens", 2, 49)),
+    ("block id past the cache", "block_table", ValueError, _index("block_table", (2, 1), 6)),
+    ("negative block id", "block_table", ValueError, _index("block_table", (0, 0), -1)),
+    ("cu_q_lens decreasing", "cu_q_lens", ValueError, _set("cu_q_lens", torch.tensor([0, 3, 2, 5], dtype=torch.int32))),
+    ("cu_q_lens not from 0", "cu_q_lens", ValueError, _set("cu_q_lens", torch.tensor([1, 2, 2, 5], dtype=torch.int32))),
+    ("cu_q_lens not to T", "cu_q_lens", ValueError, _set("cu_q_lens", torch.tensor([0, 2, 2, 4], dtype=torch.int32))),
+    ("cu_q_lens size", "cu_q_lens", ValueError, _map("cu_q_lens", lambda t: t[:-1])),
+    ("block_table rows", "block_table", ValueError, _map("block_table", lambda t: t[:2])),
+    ("block_table 1-D", "block_table", ValueError, _map("block_table", lambda t: t[0])),
+    ("slot past the cache", "slot_mapping", ValueError, _index("slot_mapping", 0, 96)),
+    ("slot below -1", "slot_mapping", ValueError, _index("slot_mapping", 4, -2)),
+    ("slot twice", "slot_mapping", ValueError, _index("slot_mapping", 3, 3 * 16 + 4)),
+    ("slot_mapping size", "slot_mapping", ValueError, _map("slot_mapping", lambda t: t[:4])),
+    ("cu_q_lens int64", "cu_q_lens", TypeError, _map("cu_q_lens", lambda t: t.long())),
+    ("kv_lens int64", "kv_lens", TypeError, _map("kv_lens", lambda t: t.long())),
+    ("block_table int64", "block_table", TypeError, _map("block_table", lambda t: t.long())),
+    ("slot_mapping int16", "slot_mapping", TypeError, _map("slot_mapping", lambda t: t.short())),
+    ("slot_mapping float", "slot_mapping", TypeError, _map("slot_mapping", lambda t: t.float())),
+    ("query int", "query", TypeError, _map("query", lambda t: t.int())),
+    ("query float64", "query", TypeError, _map("query", lambda t: t.double())),
+    ("query 2-D", "query", ValueError, _map("query", lambda t: t[:, 0])),
+    ("query not a tensor", "query", TypeError, _map("query", lambda t: t.numpy())),
+    ("heads not a multiple", "query", ValueError, _map("query", lambda t: t[:, :3])),
+    ("head size", "key_cache", ValueError, _map("query", lambda t: t[..., :32])),
+    ("caches in another float dtype", "key_cache", TypeError, _both_caches(lambda t: t.half())),
+    ("caches float64", "key_cache", TypeError, _both_caches(lambda t: t.double())),
+    ("caches uint8", "key_cache", TypeError, _both_caches(lambda t: t.to(torch.uint8))),
+    ("value_cache dtype", "value_cache", TypeError, _map("value_cache", lambda t: t.to(torch.int8))),
+    ("value_cache shape", "value_cache", ValueError, _map("value_cache", lambda t: t[:5].contiguous())),
+    ("key_cache 3-D", "key_cache", ValueError, _map("key_cache", lambda t: t[0])),
+    ("key_cache not contiguous", "key_cache", ValueError, _map("key_cache", _non_contiguous)),
+    ("value_cache not contiguous", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("no cache blocks", "key_cache", ValueError, _both_caches(lambda t: t[:0])),
+    ("key dtype", "key", TypeError, _map("key", lambda t: t.half())),
+    ("value dtype", "value", TypeError, _map("value", lambda t: t.half())),
+    ("key shape", "key", ValueError, _map("key", lambda t: t[:, :1])),
+    ("value shape", "value", ValueError, _map("value", lambda t: t[:4])),
+    ("key without value", "key, value, slot_mapping", ValueError, _set("value", None)),
+    ("key without slot_mapping", "key, value, slot_mapping", ValueError, _set("slot_mapping", None)),
+    ("kv_lens on meta", "kv_lens", ValueError, _map("kv_lens", lambda t: t.to("meta"))),
+    ("k_scale on meta", "k_scale", ValueError, _set("k_scale", torch.ones(2, device="meta"))),
+    ("slot_mapping on meta", "slot_mapping", ValueError, _map("slot_mapping", lambda t: t.to("meta"))),
+    ("sliding_window 0", "sliding_window", ValueError, _set("sliding_window", 0)),
+    ("sliding_window negative", "sliding_window", ValueError, _set("sliding_window", -4)),
+    ("sliding_window 2.5", "sliding_window", TypeError, _set("sliding_window", 2.5)),
+    ("sliding_window True", "sliding_window", TypeError, _set("sliding_window", True)),
+    ("soft_cap 0", "soft_cap", ValueError, _set("soft_cap", 0.0)),
+    ("soft_cap negative", "soft_cap", ValueError, _set("soft_cap", -30.0)),
+    ("soft_cap inf", "soft_cap", ValueError, _set("soft_cap", math.inf)),
+    ("soft_cap nan", "soft_cap", ValueError, _set("soft_cap", math.nan)),
+    ("soft_cap past float32", "soft_cap", ValueError, _set("soft_cap", 1e39)),
+    ("soft_cap True", "soft_cap", TypeError, _set("soft_cap", True)),
+    ("sm_scale inf", "sm_scale", ValueError, _set("sm_scale", math.inf)),
+    ("sm_scale nan", "sm_scale", ValueError, _set("sm_scale", math.nan)),
+    ("sm_scale 0", "sm_scale", ValueError, _set("sm_scale", 0.0)),
+    ("sm_scale negative", "sm_scale", ValueError, _set("sm_scale", -0.125)),
+    ("sm_scale past float32", "sm_scale", ValueError, _set("sm_scale", 1e39)),
+    ("sm_scale a string", "sm_scale", TypeError, _set("sm_scale", "0.25")),
+    ("sm_scale None", "sm_scale", TypeError, _set("sm_scale", None)),
+    ("sm_scale a tensor", "sm_scale", TypeError, _set("sm_scale", torch.tensor(0.125))),
+    ("k_scale per wrong heads", "k_scale", ValueError, _set("k_scale", torch.ones(3))),
+    ("k_scale 2-D", "k_scale", ValueError, _set("k_scale", torch.ones(1, 1))),
+    ("k_scale [Hkv, 1]", "k_scale", ValueError, _set("k_scale", torch.ones(2, 1))),
+    ("v_scale per wrong heads", "v_scale", ValueError, _set("v_scale", torch.ones(4))),
+    ("k_scale float64", "k_scale", TypeError, _set("k_scale", torch.ones(2, dtype=torch.float64))),
+    ("v_scale float16", "v_scale", TypeError, _set("v_scale", torch.ones((), dtype=torch.float16))),
+    ("k_scale 0", "k_scale", ValueError, _set("k_scale", torch.tensor([1.0, 0.0]))),
+    ("k_scale negative", "k_scale", ValueError, _set("k_scale", torch.tensor(-0.5))),
+    ("v_scale nan", "v_scale", ValueError, _set("v_scale", torch.tensor([math.nan, 1.0]))),
+    ("v_scale inf", "v_scale", ValueError, _set("v_scale", torch.tensor([math.inf]))),
+]
+
+WRITE = [
+    ("key 2-D", "key", ValueError, _map("key", lambda t: t[0])),
+    ("key int", "key", TypeError, _map("key", lambda t: t.int())),
+    ("key not a tensor", "key", TypeError, _map("key", lambda t: t.tolist())),
+    ("value dtype", "value", TypeError, _map("value", lambda t: t.bfloat16())),
+    ("value shape", "value", ValueError, _map("value", lambda t: t[:, :, :32])),
+    ("key heads", "key", ValueError, _map("key", lambda t: torch.cat([t, t], 1))),
+    ("cache dtype", "key_cache", TypeError, _both_caches(lambda t: t.half())),
+    ("value_cache dtype", "value_cache", TypeError, _map("value_cache", lambda t: t.to(torch.float8_e4m3fn))),
+    ("value_cache not contiguous", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("slot_mapping int16", "slot_mapping", TypeError, _map("slot_mapping", lambda t: t.short())),
+    ("slot_mapping size", "slot_mapping", ValueError, _map("slot_mapping", lambda t: t[1:])),
+    ("slot past the cache", "slot_mapping", ValueError, _index("slot_mapping", 2, 1 << 40)),
+    ("slot twice", "slot_mapping", ValueError, _index("slot_mapping", 0, 1 * 16 + 3)),
+    ("k_scale shape", "k_scale", ValueError, _set("k_scale", torch.ones(5))),
+    ("v_scale dtype", "v_scale", TypeError, _set("v_scale", torch.ones(2, dtype=torch.bfloat16))),
+    ("k_scale 0", "k_scale", ValueError, _set("k_scale", torch.zeros(2))),
+    ("v_scale nan", "v_scale", ValueError, _set("v_scale", torch.tensor(math.nan))),
+    ("v_scale negative inf", "v_scale", ValueError, _set("v_scale", torch.tensor([1.0, -math.inf]))),
+    ("slot_mapping on meta", "slot_mapping", ValueError, _map("slot_mapping", lambda t: t.to("meta"))),
+    ("key_cache on meta", "key_cache", ValueError, _both_caches(lambda t: t.to("meta"))),
+]
+
+
+# ---- linear attention ----
+
+LINEAR_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla")
+DELTA_OPS = LINEAR_OPS[:2]
+
+
+def _linear_inputs(op: str) -> dict:
+    """B = 1, T = 6, H = 2 (value heads 4 for the delta rule), K = V = 8."""
+    gen = torch.Generator().manual_seed(0)
+    value_heads = 4 if op in DELTA_OPS else 2
+    x = dict(q=torch.randn(1, 6, 2, 8, generator=gen), k=torch.randn(1, 6, 2, 8, generator=gen),
+             v=torch.randn(1, 6, value_heads, 8, generator=gen), g=-torch.rand(1, 6, value_heads, generator=gen),
+             initial_state=torch.randn(1, value_heads, 8, 8, generator=gen))
+    if op in DELTA_OPS:
+        x["beta"] = torch.rand(1, 6, value_heads, generator=gen)
+    return x
+
+
+def _linear(op, change) -> Callable[[str], object]:
+    def call(backend):
+        x = _linear_inputs(op)
+        change(x)
+        return getattr(torch_kernels, op)(**x, output_final_state=True, implementation=backend)
+    return call
+
+
+def _stack_batch(x):
+    x.update({n: torch.cat([x[n]] * 2) for n in ("q", "k", "v", "g", "beta") if n in x},
+             cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))
+
+
+LINEAR = [  # (case, ops, argument, error, change)
+    ("k shape", LINEAR_OPS, "k", ValueError, _map("k", lambda t: t[..., :4])),
+    ("v time", LINEAR_OPS, "v", ValueError, _map("v", lambda t: t[:, :5])),
+    ("v heads not a multiple", DELTA_OPS, "v", ValueError, _map("v", lambda t: t[:, :, :3])),
+    ("gla v heads", LINEAR_OPS[2:], "v", ValueError, _map("v", lambda t: torch.cat([t, t], 2))),
+    ("v dtype", LINEAR_OPS, "v", TypeError, _map("v", lambda t: t.half())),
+    ("q int", LINEAR_OPS, "q", TypeError, _map("q", lambda t: t.int())),
+    ("q 3-D", LINEAR_OPS, "q", ValueError, _map("q", lambda t: t[0])),
+    ("q not a tensor", LINEAR_OPS, "q", TypeError, _map("q", lambda t: t.tolist())),
+    ("K = 0", LINEAR_OPS, "q", ValueError, lambda x: x.update(q=x["q"][..., :0], k=x["k"][..., :0],
+                                                               initial_state=x["initial_state"][:, :, :0])),
+    ("V = 0", LINEAR_OPS, "q, v", ValueError, lambda x: x.update(v=x["v"][..., :0],
+                                                                  initial_state=x["initial_state"][..., :0])),
+    ("g shape", LINEAR_OPS, "g", ValueError, _map("g", lambda t: t[:, :, :1])),
+    ("g int", LINEAR_OPS, "g", TypeError, _map("g", lambda t: t.int())),
+    ("g positive", LINEAR_OPS, "g", ValueError, _index("g", (0, 3, 1), 0.5)),
+    ("beta missing", DELTA_OPS, "beta", TypeError, _set("beta", None)),
+    ("g missing", DELTA_OPS, "g", TypeError, _set("g", None)),
+    ("initial_state shape", LINEAR_OPS, "initial_state", ValueError, _map("initial_state", lambda t: t[..., :4])),
+    ("initial_state int", LINEAR_OPS, "initial_state", TypeError, _map("initial_state", lambda t: t.int())),
+    ("cu_seqlens with batch 2", LINEAR_OPS, "cu_seqlens", ValueError, _stack_batch),
+    ("cu_seqlens not to T", LINEAR_OPS, "cu_seqlens", ValueError,
+     _set("cu_seqlens", torch.tensor([0, 5], dtype=torch.int32))),
+    ("cu_seqlens not from 0", LINEAR_OPS, "cu_seqlens", ValueError,
+     _set("cu_seqlens", torch.tensor([1, 6], dtype=torch.int32))),
+    ("cu_seqlens decreasing", LINEAR_OPS, "cu_seqlens", ValueError,
+     lambda x: x.update(cu_seqlens=torch.tensor([0, 4, 2, 6], dtype=torch.int32), initial_state=None)),
+    ("cu_seqlens float", LINEAR_OPS, "cu_seqlens", TypeError, _set("cu_seqlens", torch.tensor([0.0, 6.0]))),
+    ("cu_seqlens one offset", LINEAR_OPS, "cu_seqlens", ValueError, _set("cu_seqlens", torch.tensor([0]))),
+    ("scale nan", LINEAR_OPS, "scale", ValueError, _set("scale", math.nan)),
+    ("scale a string", LINEAR_OPS, "scale", TypeError, _set("scale", "0.5")),
+    ("scale True", LINEAR_OPS, "scale", TypeError, _set("scale", True)),
+    ("k on meta", LINEAR_OPS, "k", ValueError, _map("k", lambda t: t.to("meta"))),
+]
+
+
+# ---- ood ----
+
+def _ood_inputs():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(3, 4, generator=gen), torch.randn(2, 4, generator=gen), torch.eye(4) + 0.1
+
+
+def _score(change) -> Callable[[str], object]:
+    def call(backend):
+        return torch_kernels.mahalanobis_score(*change(*_ood_inputs()), implementation=backend)
+    return call
+
+
+def _features(n=50, d=4, seed=0):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _scorer(method: str, *args, fit=True, **kwargs) -> Callable[[str], object]:
+    """Call ``MahalanobisScorer()`` method ``method`` (``__init__`` for the constructor); its scores
+    use ``backend``."""
+    from torch_kernels.ood import MahalanobisScorer
+
+    def call(backend):
+        if method == "__init__":
+            return MahalanobisScorer(*args, **kwargs)
+        scorer = MahalanobisScorer()
+        if fit:
+            scorer.fit(_features())
+        if method == "threshold":
+            with torch_kernels.use_backend(backend):
+                return scorer.threshold(*args, **kwargs)
+        return getattr(scorer, method)(*args, **kwargs)
+    return call
+
+
+def _nan_row(x):
+    x = x.clone()
+    x[3, 1] = math.nan
+    return x
+
+
+OOD = [
+    ("x 1-D", "x", ValueError, _score(lambda x, m, w: (x[0], m, w))),
+    ("means 1-D", "means", ValueError, _score(lambda x, m, w: (x, m[0], w))),
+    ("means features", "means", ValueError, _score(lambda x, m, w: (x, m[:, :3], w))),
+    ("whitener rows", "whitener", ValueError, _score(lambda x, m, w: (x, m, w[:3]))),
+    ("whitener columns", "whitener", ValueError, _score(lambda x, m, w: (x, m, w[:, :3]))),
+    ("x int", "x", TypeError, _score(lambda x, m, w: (x.int(), m, w))),
+    ("means float64 for float16 x", "means", TypeError, _score(lambda x, m, w: (x.half(), m.double(), w))),
+    ("whitener float16 for float32 x", "whitener", TypeError, _score(lambda x, m, w: (x, m, w.half()))),
+    ("means on meta", "means", ValueError, _score(lambda x, m, w: (x, m.to("meta"), w))),
+    ("x not a tensor", "x", TypeError, _score(lambda x, m, w: (x.numpy(), m, w))),
+    ("no classes", "means", ValueError, _score(lambda x, m, w: (x, m[:0], w))),
+    ("no features", "x", ValueError, _score(lambda x, m, w: (x[:, :0], m[:, :0], w[:0, :0]))),
+    ("covariance unknown", "covariance", ValueError, _scorer("__init__", covariance="shrunk")),
+    ("ridge negative", "ridge", ValueError, _scorer("__init__", ridge=-1.0)),
+    ("ridge nan", "ridge", ValueError, _scorer("__init__", ridge=math.nan)),
+    ("fit singular", "features", ValueError, _scorer("fit", torch.randn(3, 8), fit=False)),
+    ("fit NaN", "features", ValueError, _scorer("fit", _nan_row(_features()), fit=False)),
+    ("fit inf in batch 1", "features", ValueError,
+     _scorer("fit", [_features(), torch.full((2, 4), math.inf)], fit=False)),
+    ("fit int features", "features", TypeError, _scorer("fit", torch.ones(5, 2, dtype=torch.int64), fit=False)),
+    ("fit 1-D features", "features", ValueError, _scorer("fit", torch.ones(5), fit=False)),
+    ("fit nothing", "features", ValueError, _scorer("fit", [_features()[:0]], fit=False)),
+    ("fit batches of other widths", "features", ValueError, _scorer("fit", [_features(), _features(d=3)], fit=False)),
+    ("labels none", "labels", ValueError, _scorer("fit", [_features()[:0]], [torch.zeros(0, dtype=torch.int64)],
+                                                  fit=False)),
+    ("labels count", "labels", ValueError, _scorer("fit", _features(), torch.zeros(49, dtype=torch.int64), fit=False)),
+    ("labels missing class", "labels", ValueError,
+     _scorer("fit", _features(), torch.where(torch.arange(50) < 25, 0, 2), fit=False)),
+    ("labels id 2**40", "labels", ValueError,
+     _scorer("fit", _features(), torch.where(torch.arange(50) < 25, 0, 2**40), fit=False)),
+    ("labels negative", "labels", ValueError, _scorer("fit", _features(), -torch.ones(50, dtype=torch.int64), fit=False)),
+    ("labels float", "labels", TypeError, _scorer("fit", _features(), torch.zeros(50), fit=False)),
+    ("labels with a one-shot iterator", "features", ValueError,
+     lambda backend: __import__("torch_kernels.ood", fromlist=["MahalanobisScorer"]).MahalanobisScorer("oas").fit(
+         iter([_features()]), [torch.zeros(50, dtype=torch.int64)])),
+    ("threshold tpr 1.5", "tpr", ValueError, _scorer("threshold", _features(), tpr=1.5)),
+    ("threshold tpr 0", "tpr", ValueError, _scorer("threshold", _features(), tpr=0.0)),
+    ("threshold tpr True", "tpr", TypeError, _scorer("threshold", _features(), tpr=True)),
+    ("threshold tpr a string", "tpr", TypeError, _scorer("threshold", _features(), tpr="0.95")),
+    ("threshold NaN features", "features", ValueError, _scorer("threshold", _nan_row(_features()))),
+    ("threshold no rows", "features", ValueError, _scorer("threshold", _features()[:0])),
+    ("score before fit", "MahalanobisScorer", RuntimeError, _scorer("score", _features(), fit=False)),
+]
+
+
+# ---- serving ----
+
+def _tiny_llama():
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _engine(*, generate=None, **kwargs) -> Callable[[str], object]:
+    """``Engine(tiny llama, **kwargs)``, then ``generate(*generate)`` if given."""
+    def call(backend):
+        from torch_kernels.serving import Engine
+        engine = Engine(_tiny_llama(), **{"num_blocks": 8, "block_size": 4, **kwargs}, implementation=backend)
+        if generate is not None:
+            return engine.generate(*generate)
+    return call
+
+
+SERVING = [
+    ("block_size 0", "block_size", ValueError, _engine(block_size=0)),
+    ("block_size negative", "block_size", ValueError, _engine(block_size=-16)),
+    ("block_size 2.5", "block_size", TypeError, _engine(block_size=2.5)),
+    ("num_blocks 0", "num_blocks", ValueError, _engine(num_blocks=0)),
+    ("max_seqs True", "max_seqs", TypeError, _engine(max_seqs=True)),
+    ("max_batched_tokens 0", "max_batched_tokens", ValueError, _engine(max_batched_tokens=0)),
+    ("max_new_tokens 2.5", "max_new_tokens", TypeError, _engine(generate=([[1, 2]], 2.5))),
+    ("max_new_tokens 0", "max_new_tokens", ValueError, _engine(generate=([[1, 2]], 0))),
+    ("max_new_tokens per prompt", "max_new_tokens", ValueError, _engine(generate=([[1, 2], [3]], [2]))),
+    ("prompts a string", "prompts", TypeError, _engine(generate=("text", 2))),
+    ("a prompt a string", "prompts[0]", TypeError, _engine(generate=(["text"], 2))),
+    ("token id past the vocabulary", "prompts[0]", ValueError, _engine(generate=([[1, 97]], 2))),
+    ("negative token id", "prompts[1]", ValueError, _engine(generate=([[1], [-3]], 2))),
+    ("float token id", "prompts[0]", TypeError, _engine(generate=([[1, 2.0]], 2))),
+    ("empty prompt", "prompts[0]", ValueError, _engine(generate=([[]], 2))),
+    ("float tensor prompt", "prompts[0]", TypeError, _engine(generate=([torch.tensor([1.0])], 2))),
+    ("more blocks than the cache", "prompts[0]", ValueError, _engine(generate=([list(range(30))], 8))),
+]
+
+
+def table(family: str) -> list[Row]:
+    """The rows of ``family``: ``paged_attention``, ``linear_attention``, ``ood`` or ``serving``."""
+    if family == "paged_attention":
+        return ([Row(f"ragged_paged_attention: {c}", a, e, _attention(ch)) for c, a, e, ch in ATTENTION]
+                + [Row(f"reshape_and_cache: {c}", a, e, _write(ch)) for c, a, e, ch in WRITE])
+    if family == "linear_attention":
+        return [Row(f"{op}: {c}", a, e, _linear(op, ch)) for c, ops, a, e, ch in LINEAR for op in ops]
+    if family == "ood":
+        return [Row(*row) for row in OOD]
+    if family == "serving":
+        return [Row(*row) for row in SERVING]
+    raise ValueError(f"family: unknown {family!r}")
+
+
+FAMILIES = ("paged_attention", "linear_attention", "ood", "serving")
+
+
+def run(family: str, backend: str) -> list[tuple[str, str, str]]:
+    """``(case, exception type name, message)`` of every row of ``family`` on ``backend``."""
+    results = []
+    for row in table(family):
+        try:
+            row.call(backend)
+        except Exception as e:  # noqa: BLE001 - recorded and judged by the test
+            results.append((row.case, type(e).__name__, str(e)))
+        else:
+            results.append((row.case, "no error", ""))
+    return results
+
+
+if __name__ == "__main__":  # python bad_inputs.py FAMILY BACKEND: the results as JSON on stdout
+    print(json.dumps(run(sys.argv[1], sys.argv[2])))
