@@ -13,6 +13,8 @@ counts, checked inputs).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,6 +228,35 @@ def test_strong_decay_keeps_float32_precision(backend, op, spike):
     errors = errors_against_definition(op, x, backend)
     bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= 1e-5}
     assert not bad, f"relative RMSE above 1e-5: {bad}"
+
+
+@pytest.mark.parametrize("where", ["q", "v", "g"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
+def test_nan_propagates_within_its_sequence_and_head_only(backend, op, where):
+    """The NaN policy (README): a NaN in q_t makes o_t NaN; one in k_t, v_t, g_t or beta_t makes
+    the state NaN from step t on (later outputs, the final state). Other packed sequences and
+    other heads are untouched, and so are the outputs of earlier chunks (within step t's chunk the
+    chunked forms may spread it back through zero weights)."""
+    require_backend(backend)
+    x = make_inputs(op, length=150, heads=2, k_dim=16, v_dim=16, cu_seqlens=[0, 20, 150], seed=9)
+    clean_o, clean_ht = run_op(op, x, implementation=backend)
+    step, head = 100, 1  # step 80 of the second sequence, its second chunk
+    bad = {**x, where: x[where].clone()}
+    bad[where][0, step, head] = math.nan
+    o, ht = run_op(op, bad, implementation=backend)
+    value_head = head  # one value head per head here
+    same = torch.ones(o.shape[:3], dtype=torch.bool)
+    same[0, 20 + 64:, value_head] = False  # from the start of step 100's chunk on
+    torch.testing.assert_close(o[same.nonzero(as_tuple=True)], clean_o[same.nonzero(as_tuple=True)])
+    torch.testing.assert_close(ht[0], clean_ht[0])
+    torch.testing.assert_close(ht[1, 1 - value_head], clean_ht[1, 1 - value_head])
+    assert o[0, step, value_head].isnan().all()
+    if where == "q":
+        torch.testing.assert_close(o[0, step + 1:, value_head], clean_o[0, step + 1:, value_head])
+        torch.testing.assert_close(ht[1, value_head], clean_ht[1, value_head])
+    else:
+        assert o[0, step:, value_head].isnan().all() and ht[1, value_head].isnan().all()
 
 
 @pytest.mark.parametrize("op", [CHUNK_DELTA, CHUNK_GLA])

@@ -47,12 +47,13 @@ def reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
         o, ht = reference.recurrence_chunked(*leaves[:5], scale, leaves[5], cu_seqlens, use_qk_l2norm)
-        outputs, grads = [o], [do]
-        if dht is not None:
-            outputs.append(ht)
-            grads.append(dht)
+        # an output no input reaches (the zero state of empty sequences, an empty o) has no gradient
+        pairs = [(out, grad) for out, grad in ((o, do), (ht, dht)) if grad is not None and out.requires_grad]
         wanted = [t for t in leaves if t is not None]
-        found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+        if not pairs:
+            return (None,) * len(leaves)
+        found = iter(torch.autograd.grad([out for out, _ in pairs], wanted, [grad for _, grad in pairs],
+                                         allow_unused=True))
     return tuple(None if t is None else next(found) for t in leaves)
 
 
@@ -297,7 +298,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``sqrt(sum(x^2) + 1e-6)`` over K first (inside the op, gradients included).
         v: ``[B, T, HV, V]``, ``HV`` a multiple of ``H``: value head ``j`` uses q/k head
             ``j // (HV / H)`` (Qwen3-Next's grouped value heads). q, k and v share a dtype.
-        g: ``[B, T, HV]`` log decay (``<= 0``; ``exp(g)`` multiplies the state).
+        g: ``[B, T, HV]`` log decay, ``<= 0`` (``exp(g)`` multiplies the state; checked, which
+            reads ``g`` once on the host). Large negative values are exact (pairwise decays are
+            summed directly, never as differences of cumulative sums) and ``-inf`` resets the state.
         beta: ``[B, T, HV]`` update strength, usually in (0, 1).
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``N = B``, or the number of packed sequences).
@@ -308,7 +311,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``.
-        Differentiable in q, k, v, g, beta and initial_state.
+        Differentiable in q, k, v, g, beta and initial_state. A NaN or inf in an input reaches
+        every output it feeds (the rest of its sequence and its final state), on every backend.
     """
     return _call_delta(chunk_gated_delta_rule_family, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens, implementation)
@@ -330,7 +334,8 @@ def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_fin
     and Lightning-style decays; ``g=None`` is plain causal linear attention.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one dtype); g: ``[B, T, H]`` or None.
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one dtype); g: ``[B, T, H]`` log decay
+            ``<= 0`` (checked; ``-inf`` resets the state) or None.
         scale, initial_state, output_final_state, cu_seqlens, implementation: as in
             :func:`chunk_gated_delta_rule`.
 
