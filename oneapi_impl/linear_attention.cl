@@ -72,19 +72,23 @@ static int chunk_count(place_t p) {
 }
 
 // ---- chunk kernels: shared steps -------------------------------------------------------------
-// Within a chunk of n <= CHUNK rows with start state S0: b_t = g_1 + ... + g_t, e_t = exp(b_t),
-// r_t = exp(b_last - b_t), D_ts = exp(b_t - b_s) (s <= t). The WY form (reference docstring):
+// Within a chunk of n <= CHUNK rows with start state S0: e_t = exp(g_1 + ... + g_t),
+// r_t = exp(g_{t+1} + ... + g_last), D_ts = exp(g_{s+1} + ... + g_t) (s <= t). The WY form
+// (reference docstring):
 //   W = (I + diag(beta) Dkk)^-1 diag(beta) U,  U = V - diag(e) K S0,  Dkk = strict_lower(D * K K^T)
 //   O = scale (diag(e) Q S0 + M W),            M = lower(D * Q K^T)
-//   S_end = exp(b_last) S0 + (diag(r) K)^T W
-// (DELTA=0: W = V). Each helper ends with a barrier, so its results are visible to the group.
+//   S_end = e_last S0 + (diag(r) K)^T W
+// (DELTA=0: W = V). Each decay is exp of a sum of the gates it spans, never of a difference of
+// cumulative sums: those cancel in float32 once gates are large (g = -1e4) and give
+// -inf - -inf = NaN for g = -inf (a full state reset). Each helper ends with a barrier, so its
+// results are visible to the group.
 
-// Rows c0 .. c0 + n of q (if Qs), k, v (columns v0 ..) and the gates, zero-padded; then b, e, r.
+// Rows c0 .. c0 + n of q (if Qs), k, v (columns v0 ..) and the gates, zero-padded; then e, r.
 static void load_chunk(__global const qk_t *q, __global const qk_t *k, __global const v_t *v,
                        __global const float *g, __global const float *beta, place_t p, long c0, int n,
                        int H, int HV, int K, int V,
                        __local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX], __local float (*Vs)[VB],
-                       __local float *b, __local float *e, __local float *r, __local float *bt) {
+                       __local float *gate, __local float *e, __local float *r, __local float *bt) {
     const uint lid = get_local_id(0);
     for (uint i = lid; i < CHUNK * K_MAX; i += WG) {
         const uint t = i / K_MAX, c = i % K_MAX;
@@ -100,37 +104,40 @@ static void load_chunk(__global const qk_t *q, __global const qk_t *k, __global 
     }
     for (uint t = lid; t < CHUNK; t += WG) {
         const bool real = t < (uint)n;
-        b[t] = real ? g[(c0 + t) * HV + p.head] : 0.0f;
+        gate[t] = real ? g[(c0 + t) * HV + p.head] : 0.0f;
         bt[t] = real && DELTA ? beta[(c0 + t) * HV + p.head] : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (lid == 0) {  // a cumulative sum of at most CHUNK terms: serial is cheap and exact in order
-        float sum = 0.0f;
-        for (int t = 0; t < n; ++t) b[t] = sum += b[t];
-        for (int t = 0; t < CHUNK; ++t) {
-            e[t] = t < n ? exp(b[t]) : 0.0f;
-            r[t] = t < n ? exp(b[n - 1] - b[t]) : 0.0f;
-        }
+    for (uint t = lid; t < CHUNK; t += WG) {  // summed in row order, as the reference does
+        float from_start = 0.0f, to_end = 0.0f;
+        for (uint u = 0; u <= t; ++u) from_start += gate[u];
+        for (uint u = t + 1; u < (uint)n; ++u) to_end += gate[u];
+        e[t] = t < (uint)n ? exp(from_start) : 0.0f;
+        r[t] = t < (uint)n ? exp(to_end) : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
-// Dkk (DELTA) and, if M is given, M; zero outside their triangles and past row n.
-static void decay_products(__local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX], __local const float *b,
+// Dkk (DELTA) and, if M is given, M; zero outside their triangles and past row n. A work-item
+// owns column s and walks down it, so g_{s+1} + ... + g_t is one running sum.
+static void decay_products(__local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX], __local const float *gate,
                            int n, int K, __local float (*Dkk)[CHUNK], __local float (*M)[CHUNK]) {
-    for (uint i = get_local_id(0); i < CHUNK * CHUNK; i += WG) {
-        const uint t = i / CHUNK, s = i % CHUNK;
-        const bool lower = s <= t && t < (uint)n;
-        float kk = 0.0f, qk = 0.0f;
-        if (lower) {
-            for (int c = 0; c < K; ++c) {
-                kk = fma(Ks[t][c], Ks[s][c], kk);
-                if (M) qk = fma(Qs[t][c], Ks[s][c], qk);
+    for (uint s = get_local_id(0); s < CHUNK; s += WG) {
+        float segment = 0.0f;
+        for (uint t = 0; t < CHUNK; ++t) {
+            if (t > s) segment += gate[t];
+            const bool lower = s <= t && t < (uint)n;
+            float kk = 0.0f, qk = 0.0f;
+            if (lower) {
+                for (int c = 0; c < K; ++c) {
+                    kk = fma(Ks[t][c], Ks[s][c], kk);
+                    if (M) qk = fma(Qs[t][c], Ks[s][c], qk);
+                }
             }
+            const float decay = lower ? exp(segment) : 0.0f;
+            if (DELTA) Dkk[t][s] = s < t ? decay * kk : 0.0f;
+            if (M) M[t][s] = decay * qk;
         }
-        const float decay = lower ? exp(b[t] - b[s]) : 0.0f;  // masked first: exp may overflow above
-        if (DELTA) Dkk[t][s] = s < t ? decay * kk : 0.0f;
-        if (M) M[t][s] = decay * qk;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 }
@@ -165,10 +172,10 @@ static void solve_values(__local float (*S)[VB], __local float (*Ks)[K_MAX], __l
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
-// S = exp(b_last) S + (diag(r) K)^T W, one element per work-item.
+// S = e_last S + (diag(r) K)^T W, one element per work-item.
 static void update_state(__local float (*S)[VB], __local float (*Ks)[K_MAX], __local const float *r,
-                         __local const float *b, __local float (*W)[VB], int n) {
-    const float last = exp(b[n - 1]);
+                         __local const float *e, __local float (*W)[VB], int n) {
+    const float last = e[n - 1];
     for (uint i = get_local_id(0); i < K_MAX * VB; i += WG) {
         const uint c = i / VB, j = i % VB;
         float s = last * S[c][j];
@@ -208,15 +215,15 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
     __local float Qs[CHUNK][K_MAX], Ks[CHUNK][K_MAX];
     __local float U[CHUNK][VB], W[CHUNK][VB];
     __local float Dkk[CHUNK][CHUNK], M[CHUNK][CHUNK];
-    __local float b[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK];
+    __local float gate[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK];
 
     const place_t p = find_place(cu, H, HV, VB);
     const long state_base = ((long)p.seq * HV + p.head) * K * V;
     read_state(S, h0, state_base, p.v0, K, V);
     for (long c0 = p.bos; c0 < p.eos; c0 += CHUNK) {
         const int n = (int)min((long)CHUNK, p.eos - c0);
-        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, Qs, Ks, U, b, e, r, bt);
-        decay_products(Qs, Ks, b, n, K, Dkk, M);
+        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, Qs, Ks, U, gate, e, r, bt);
+        decay_products(Qs, Ks, gate, n, K, Dkk, M);
         solve_values(S, Ks, e, bt, Dkk, n, K, U, W);
         for (uint i = get_local_id(0); i < CHUNK * VB; i += WG) {
             const uint t = i / VB, j = i % VB;
@@ -227,7 +234,7 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
             STORE(V_KIND, o, ((c0 + t) * HV + p.head) * V + p.v0 + j, scale * fma(e[t], qs, mw));
         }
         barrier(CLK_LOCAL_MEM_FENCE);  // the outputs read S0 before it moves on
-        update_state(S, Ks, r, b, W, n);
+        update_state(S, Ks, r, e, W, n);
     }
     write_state(S, ht, state_base, p.v0, K, V);
 }
@@ -240,8 +247,9 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
 //   P1   = D * (scale dO W^T) (lower),  P2 = D * diag(beta) dA (strict lower)
 //   dQ   = scale diag(e) dO S0^T + P1 K
 //   dK   = P1^T Q + (P2 + P2^T) K + diag(r) W dS^T - diag(e) dU S0^T
-//   dS0  = scale (diag(e) Q)^T dO + exp(b_last) dS - (diag(e) K)^T dU
-//   db   from every exp(): e_t, r_t, exp(b_last) and D_ts (row and column sums); dg = suffix sums of db.
+//   dS0  = scale (diag(e) Q)^T dO + e_last dS - (diag(e) K)^T dU
+//   dg_u from each decay whose sum holds g_u: e_t (t >= u), r_t (t < u), e_last, D_ts (s < u <= t),
+//        each term summed where it applies (not as differences of cumulative sums, which cancel).
 
 // NDRange and groups as chunk_forward. Pass 1 reruns the forward to store each chunk's start
 // state in `checkpoints` [chunks, HV, K, V] (this sequence's chunks from chunk_first[seq]);
@@ -258,7 +266,8 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
     __local float Qs[CHUNK][K_MAX], Ks[CHUNK][K_MAX];
     __local float U[CHUNK][VB], W[CHUNK][VB], dO[CHUNK][VB], R[CHUNK][VB];
     __local float Dkk[CHUNK][CHUNK], M[CHUNK][CHUNK], P1[CHUNK][CHUNK], P2[CHUNK][CHUNK];
-    __local float b[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK], db[CHUNK], partial[WG];
+    __local float gate[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK];
+    __local float d_start[CHUNK], d_end[CHUNK], d_cross[CHUNK];  // dg_u terms of e_t, r_t and D_ts
 
     const uint lid = get_local_id(0);
     const place_t p = find_place(cu, H, HV, VB);
@@ -271,10 +280,10 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         const long c0 = p.bos + (long)i * CHUNK;
         const int n = (int)min((long)CHUNK, p.eos - c0);
         write_state(S, checkpoints, ((long)(chunk_first[p.seq] + i) * HV + p.head) * K * V, p.v0, K, V);
-        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, 0, Ks, U, b, e, r, bt);
-        decay_products(Qs, Ks, b, n, K, Dkk, 0);
+        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, 0, Ks, U, gate, e, r, bt);
+        decay_products(Qs, Ks, gate, n, K, Dkk, 0);
         solve_values(S, Ks, e, bt, Dkk, n, K, U, W);
-        update_state(S, Ks, r, b, W, n);
+        update_state(S, Ks, r, e, W, n);
     }
 
     read_state(dS, dht, state_base, p.v0, K, V);
@@ -282,12 +291,12 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         const long c0 = p.bos + (long)i * CHUNK;
         const int n = (int)min((long)CHUNK, p.eos - c0);
         read_state(S, checkpoints, ((long)(chunk_first[p.seq] + i) * HV + p.head) * K * V, p.v0, K, V);
-        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, Qs, Ks, U, b, e, r, bt);
+        load_chunk(q, k, v, g, beta, p, c0, n, H, HV, K, V, Qs, Ks, U, gate, e, r, bt);
         for (uint x = lid; x < CHUNK * VB; x += WG) {
             const uint t = x / VB, j = x % VB;
             dO[t][j] = t < (uint)n && p.v0 + j < (uint)V ? do_[((c0 + t) * HV + p.head) * V + p.v0 + j] : 0.0f;
         }
-        decay_products(Qs, Ks, b, n, K, Dkk, M);
+        decay_products(Qs, Ks, gate, n, K, Dkk, M);
         solve_values(S, Ks, e, bt, Dkk, n, K, U, W);
 
         // dW into R
@@ -311,40 +320,52 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 
-        // P1, P2; M and Dkk become their terms of db and dbeta: dD_ts D_ts and dA_ts Dkk_ts
-        for (uint x = lid; x < CHUNK * CHUNK; x += WG) {
-            const uint t = x / CHUNK, s = x % CHUNK;
-            if (s > t || t >= (uint)n) {
-                P1[t][s] = P2[t][s] = 0.0f;
-                continue;
+        // P1, P2; M and Dkk become their terms of dg and dbeta: dD_ts D_ts and dA_ts Dkk_ts.
+        // Column-owned as in decay_products, for the running sum g_{s+1} + ... + g_t.
+        for (uint s = lid; s < CHUNK; s += WG) {
+            float segment = 0.0f;
+            for (uint t = 0; t < CHUNK; ++t) {
+                if (t > s) segment += gate[t];
+                if (s > t || t >= (uint)n) {
+                    P1[t][s] = P2[t][s] = 0.0f;
+                    continue;
+                }
+                const float decay = exp(segment);
+                float dow = 0.0f, rw = 0.0f;
+                for (int j = 0; j < VB; ++j) {
+                    dow = fma(dO[t][j], W[s][j], dow);
+                    if (DELTA) rw = fma(R[t][j], W[s][j], rw);
+                }
+                const float dm = scale * dow;
+                P1[t][s] = dm * decay;
+                M[t][s] *= dm;
+                if (DELTA) {
+                    const float da = s < t ? -rw : 0.0f;
+                    P2[t][s] = bt[t] * da * decay;
+                    M[t][s] += bt[t] * da * Dkk[t][s];
+                    Dkk[t][s] *= da;
+                } else {
+                    P2[t][s] = 0.0f;
+                }
             }
-            const float decay = exp(b[t] - b[s]);
-            float dow = 0.0f, rw = 0.0f;
-            for (int j = 0; j < VB; ++j) {
-                dow = fma(dO[t][j], W[s][j], dow);
-                if (DELTA) rw = fma(R[t][j], W[s][j], rw);
-            }
-            const float dm = scale * dow;
-            P1[t][s] = dm * decay;
-            M[t][s] *= dm;
-            if (DELTA) {
-                const float da = s < t ? -rw : 0.0f;
-                P2[t][s] = bt[t] * da * decay;
-                M[t][s] += bt[t] * da * Dkk[t][s];
-                Dkk[t][s] *= da;
-            } else {
-                P2[t][s] = 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        // M[u][s] becomes the sum over t >= u of column s (for u > s): D_ts with s < u <= t holds g_u
+        for (uint s = lid; s < CHUNK; s += WG) {
+            float below = 0.0f;
+            for (int u = n - 1; u > (int)s; --u) {
+                below += M[u][s];
+                M[u][s] = below;
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        // one row per work-item: dq, dk, dbeta and this row's share of db
+        // one row per work-item: dq, dk, dbeta and the row's terms of dg
         for (uint t = lid; t < (uint)n; t += WG) {
             const long row = c0 + t;
             const long qk_at = ((block_rows + row) * HV + p.head) * K;
-            float row_db = 0.0f;
-            for (uint s = 0; s < CHUNK; ++s) row_db += M[t][s] - M[s][t];
-            float kept = 0.0f;  // the r_t terms, which also add to db_last
+            float cross = 0.0f, start = 0.0f, end = 0.0f;
+            for (uint s = 0; s < t; ++s) cross += M[t][s];
             for (int c = 0; c < K; ++c) {
                 float s0_do = 0.0f, s0_du = 0.0f, ds_w = 0.0f;
                 for (int j = 0; j < VB; ++j) {
@@ -360,11 +381,12 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
                 }
                 dq[qk_at + c] = dq_c;
                 dk[qk_at + c] = dk_c;
-                row_db += e[t] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);
-                kept += r[t] * Ks[t][c] * ds_w;
+                start += e[t] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);
+                end += r[t] * Ks[t][c] * ds_w;
             }
-            db[t] = row_db - kept;
-            partial[t] = kept;
+            d_cross[t] = cross;
+            d_start[t] = start;
+            d_end[t] = end;
 #if DELTA
             float dbeta_t = 0.0f;
             for (int j = 0; j < VB; ++j) dbeta_t = fma(R[t][j], U[t][j], dbeta_t);
@@ -372,7 +394,6 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
             dbeta[(block_rows + row) * HV + p.head] = dbeta_t;
 #endif
         }
-        for (uint t = n + lid; t < WG; t += WG) partial[t] = 0.0f;
         for (uint x = lid; x < CHUNK * VB; x += WG) {
             const uint t = x / VB, j = x % VB;
             if (t < (uint)n && p.v0 + j < (uint)V)
@@ -380,20 +401,23 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lid == 0) {
-            float last = 0.0f;  // d exp(b_last): <S0, dS> and the r_t terms
+            float last = 0.0f;  // the e_last term, which every gate of the chunk gets
             for (uint x = 0; x < K_MAX * VB; ++x) last = fma(S[x / VB][x % VB], dS[x / VB][x % VB], last);
-            last *= exp(b[n - 1]);
-            for (int t = 0; t < WG; ++t) last += partial[t];
-            db[n - 1] += last;
-            float suffix = 0.0f;
-            for (int t = n - 1; t >= 0; --t) {
-                suffix += db[t];
-                dg[(block_rows + c0 + t) * HV + p.head] = suffix;
+            last *= e[n - 1];
+            float later = 0.0f;  // e_t terms of t >= u
+            for (int u = n - 1; u >= 0; --u) {
+                later += d_start[u];
+                d_cross[u] += later;
+            }
+            float earlier = 0.0f;  // r_t terms of t < u
+            for (int u = 0; u < n; ++u) {
+                dg[(block_rows + c0 + u) * HV + p.head] = d_cross[u] + earlier + last;
+                earlier += d_end[u];
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);  // everything above read dS
 
-        const float last = exp(b[n - 1]);
+        const float last = e[n - 1];
         for (uint x = lid; x < K_MAX * VB; x += WG) {
             const uint c = x / VB, j = x % VB;
             float d = last * dS[c][j];

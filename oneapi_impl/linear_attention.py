@@ -49,7 +49,7 @@ def _power_of_two_at_least(x: int, floor: int = 1) -> int:
 def _local_bytes(layout: Layout) -> int:
     """The largest kernel's __local arrays (chunk_backward), as linear_attention.cl sizes them."""
     k, vb = layout.k_max, layout.v_block
-    floats = 2 * k * vb + 2 * CHUNK * k + 4 * CHUNK * vb + 4 * CHUNK * CHUNK + 5 * CHUNK + CHUNK
+    floats = 2 * k * vb + 2 * CHUNK * k + 4 * CHUNK * vb + 4 * CHUNK * CHUNK + 7 * CHUNK
     return 4 * floats
 
 

@@ -178,3 +178,64 @@ def test_unsupported_inputs_pass_to_the_next_backend(sycl):
     out, _ = torch_kernels.chunk_gated_delta_rule(wide["q"], wide["k"], wide["v"], x["g"], x["beta"],
                                                   implementation=["sycl", "reference"])
     assert out.dtype == torch.float64 and backends.last_backend("chunk_gated_delta_rule") == "reference"
+
+
+def _spiky(x, rows):
+    """``x`` with its gates set to -1e4, -inf and -50 in turn on ``rows``: decays whose cumulative
+    sums cancel in float32 (or give -inf - -inf) unless each decay sums only the gates it spans."""
+    g = x["g"].clone()
+    for i, row in enumerate(rows):
+        g[:, row] = (-1e4, float("-inf"), -50.0)[i % 3]
+    return {**x, "g": g}
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "gla"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_strong_gates_keep_float32_precision(sycl, form, delta):
+    """Spikes on a packed sequence's first row, on both sides of chunk borders and on its last
+    row, over three chunks (one partial), two state blocks and grouped heads: outputs, final
+    states and every gradient within 1e-5 relative RMSE of the float64 recurrence."""
+    x = _inputs(6, batch=1, length=150, heads=1, value_heads=2, k_dim=60, v_dim=100, delta=delta,
+                cu_seqlens=[0, 10, 10, 150])
+    x = _spiky(x, [10, 40, 73, 74, 75, 137, 138, 149])
+    wide = {**x, **{n: x[n].double() for n in ("q", "k", "v", "g", "beta", "initial_state") if x[n] is not None}}
+    o_ref, ht_ref, do, dht, expected = _truth(wide)
+    o, ht = getattr(sycl, f"{form}_forward")(*_args(x))
+    grads = getattr(sycl, f"{form}_backward")(do.float(), dht.float(), *_args(x))
+    errors = {"o": _rmse(o, o_ref), "final_state": _rmse(ht, ht_ref)}
+    errors.update({name: _rmse(got, expected[name]) for name, got in zip(GRADIENTS, grads) if got is not None})
+    bad = {name: f"{err:.1e}" for name, err in errors.items() if not err <= 1e-5}
+    assert not bad, f"relative RMSE above 1e-5: {bad}"
+
+
+EMPTY = {  # name -> _inputs arguments with nothing or next to nothing to run
+    "B0": dict(batch=0, length=5),
+    "T0": dict(batch=2, length=0),
+    "packed-all-empty": dict(batch=1, length=0, cu_seqlens=[0, 0, 0]),
+    "packed-empty-ends": dict(batch=1, length=3, cu_seqlens=[0, 0, 3, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY))
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"])
+def test_empty_inputs_match_the_reference(sycl, op, case):
+    """Zero-size batches, T = 0 and empty packed sequences, forward and backward, as the reference
+    backend: the same shapes and dtypes, initial states and their gradients handed through."""
+    delta = op != "chunk_simple_gla"
+    x = _inputs(7, **EMPTY[case], value_heads=4 if delta else 2, delta=delta)
+    results = {}
+    for backend in ("reference", "sycl"):
+        leaves = _op_leaves(x)
+        gate_args = (leaves["g"], leaves["beta"]) if delta else (leaves["g"],)
+        out, ht = getattr(torch_kernels, op)(leaves["q"], leaves["k"], leaves["v"], *gate_args, scale=x["scale"],
+                                             initial_state=leaves["initial_state"], output_final_state=True,
+                                             cu_seqlens=x["cu_seqlens"], implementation=backend)
+        assert backends.last_backend(op) == backend
+        gen = torch.Generator().manual_seed(8)
+        upstream = [torch.randn(out.shape, generator=gen), torch.randn(ht.shape, generator=gen)]
+        present = [t for t in leaves.values() if t is not None]
+        results[backend] = [out, ht, *torch.autograd.grad([out, ht], present, upstream)]
+        assert backends.last_backend(f"{op}_backward") == backend
+    for i, (got, want) in enumerate(zip(results["sycl"], results["reference"])):
+        assert got.shape == want.shape and got.dtype == want.dtype, i
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
