@@ -102,11 +102,16 @@ def host_queue():
 
 
 @functools.cache
-def _kernel(source: str, name: str, macros: tuple[tuple[str, int], ...]):
+def _program(source: str, macros: tuple[tuple[str, int], ...]):
+    """One program per source and macros, shared by its kernels: each program costs a JIT build."""
     import dpctl.program
 
-    program = dpctl.program.create_program_from_spirv(host_queue(), spirv(source, dict(macros)))
-    return program.get_sycl_kernel(name)
+    return dpctl.program.create_program_from_spirv(host_queue(), spirv(source, dict(macros)))
+
+
+@functools.cache
+def _kernel(source: str, name: str, macros: tuple[tuple[str, int], ...]):
+    return _program(source, macros).get_sycl_kernel(name)
 
 
 def kernel(source: str, name: str, **macros: int):
