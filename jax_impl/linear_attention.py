@@ -13,31 +13,36 @@ with state ``S [K, V]``::
 L2-normalized and every sequence (a batch row, or a packed sequence of ``cu_seqlens``) is padded
 to a multiple of ``CHUNK`` steps; the sequences are laid end to end as one list of chunks, heads
 first (``[heads, chunks * CHUNK, K]``), K and V padded to 128 lanes. Padding steps have k = v = 0,
-beta = 0 and g = 0, so they leave the state as it is. The log decays become per-chunk cumulative
-sums ``b`` (given to the kernel both as a column and as a row, so that no in-kernel transpose is
-needed for ``b_t - b_s``). Packed sequences are thus handled on the host side (their offsets are
-concrete): three scalar-prefetched int32 lists say, per chunk, its sequence and whether it is
-that sequence's first or last chunk, and the kernels reset the state there.
+beta = 0 and g = 0, so they leave the state as it is; the gates reach the kernels as one row
+per chunk. Packed sequences are thus handled on the host side (their offsets are concrete): three
+scalar-prefetched int32 lists say, per chunk, its sequence and whether it is that sequence's
+first or last chunk, and the kernels reset the state there.
 
 The forward kernel's grid is (value head: parallel, chunk: arbitrary); the state lives in a VMEM
-scratch across the chunks of a head. A chunk with start state ``S0``, ``D_ts = exp(b_t - b_s)``
-(``s <= t``) and ``E = exp(b)``, in the WY representation:
+scratch across the chunks of a head. A chunk with start state ``S0``, ``D_ts = exp(g_{s+1} + ...
++ g_t)`` (``s <= t``), ``E_t = exp(g_1 + ... + g_t)``, ``F_t = exp(g_{t+1} + ... + g_C)`` and
+``G = exp(g_1 + ... + g_C)``, in the WY representation:
 
 - ``A = strict_lower(D * diag(beta) K K^T)``; ``Tinv = (I + A)^{-1}`` by recursive doubling of
   inverted diagonal blocks (1, 2, 4, ... 64 wide: two 64x64 matmuls per level), a stable blocked
   forward substitution;
 - effective values ``W = Tinv diag(beta) (V - E * K S0)`` (or ``W = V`` without beta);
-- ``O = scale (E * Q S0 + (D * Q K^T) W)``; ``S_end = exp(b_C) S0 + (K * exp(b_C - b))^T W``.
+- ``O = scale (E * Q S0 + (D * Q K^T) W)``; ``S_end = G S0 + (K * F)^T W``.
+
+Each exponent is summed over its own gates, never taken as a difference ``b_t - b_s`` of
+cumulative sums: that cancels in float32 once gates are large (g = -1e4 left errors of 1e-3) and
+is NaN for g = -inf, a full state reset. The gates' gradient is summed the same way.
 
 The backward (a ``jax.custom_vjp``) stores nothing from the forward but its inputs: it recomputes
 the chunk start states with the forward kernel (states only, no output), then runs a second kernel
 over the chunks in reverse order that carries dS (the state's gradient) in VMEM, recomputes the
-chunk's WY quantities and writes dq, dk, dv, d(b) (as a column and a row part) and dbeta; the
-cumulative sums, padding, normalization and head grouping are undone by JAX's autodiff.
+chunk's WY quantities and writes dq, dk, dv, dg and dbeta; the padding, normalization and head
+grouping are undone by JAX's autodiff. With no sequences or no value heads no kernel runs.
 
 **Recurrent form.** ``fused_recurrent_gated_delta_rule`` is a ``lax.scan`` over time steps in
 jnp (the decode form: a few tokens from a carried state), differentiated by JAX; it is also the
-reference these kernels are compared with in pure JAX.
+reference these kernels are compared with in pure JAX. It multiplies by ``exp(g_t)`` step by
+step, so it is exact and finite for any g <= 0, -inf included.
 
 All arithmetic is float32 (matmuls at HIGHEST precision); outputs are in v's dtype.
 """
@@ -58,6 +63,7 @@ from . import interpret_params, round_up
 CHUNK = 64
 LANES = 128
 EPS = 1e-6
+_GATE_FLOOR = -1e30  # a chunk's sum of 64 such gates still fits in float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -92,19 +98,33 @@ def _unit_lower_inverse(a):
     return inverse
 
 
-def _chunk_terms(k, v, b_col, b_row, beta, s0):
-    """What forward and backward both need of a chunk: masks, decays and the effective values."""
-    shape = (k.shape[0], k.shape[0])
+def _chunk_decays(g_row):
+    """Masks and decays of a chunk with gates ``g_row [1, C]``: ``decay_ts = exp(g_{s+1} + ... +
+    g_t)`` (0 above the diagonal), ``e_t = exp(g_1 + ... + g_t)``, ``f_t = exp(g_{t+1} + ... + g_C)``
+    and ``total = exp(g_1 + ... + g_C)``, each exponent summed over its own gates (no differences
+    of cumulative sums: see the module docstring)."""
+    shape = (g_row.shape[1], g_row.shape[1])
     rows, cols = _iota(shape, 0), _iota(shape, 1)
-    lower, strict = rows >= cols, rows > cols
-    # masked before exp: above the diagonal b_t - b_s > 0 may overflow
-    decay = jnp.exp(jnp.where(lower, b_col - b_row, -jnp.inf))
-    terms = dict(lower=lower, strict=strict, decay=decay, e=jnp.exp(b_col))
+    upto = cols <= rows
+    start = _row_sum(jnp.where(upto, g_row, 0.0))  # g_1 + ... + g_t
+    to_end = _row_sum(jnp.where(upto, 0.0, g_row))  # g_{t+1} + ... + g_C
+    # seg_ts = g_{s+1} + ... + g_t by a 0/1 matmul; its gates kept finite since 0 * -inf is NaN
+    # (exp underflows to 0 long before _GATE_FLOOR, so the result is the same)
+    finite = jnp.where(upto, jnp.maximum(g_row, _GATE_FLOOR), 0.0)
+    seg = _dot(finite, (rows > cols).astype(_F32))
+    lower = rows >= cols
+    return dict(lower=lower, strict=rows > cols, decay=jnp.exp(jnp.where(lower, seg, -jnp.inf)),
+                e=jnp.exp(start), f=jnp.exp(to_end), total=jnp.exp(start[-1:, :]))
+
+
+def _chunk_terms(k, v, g_row, beta, s0):
+    """What forward and backward both need of a chunk: :func:`_chunk_decays` and the effective values."""
+    terms = _chunk_decays(g_row)
     if beta is None:
         terms["w"] = v
         return terms
     kk = _dot(k, k, tb=True)
-    inverse = _unit_lower_inverse(jnp.where(strict, decay * kk * beta, 0.0))
+    inverse = _unit_lower_inverse(jnp.where(terms["strict"], terms["decay"] * kk * beta, 0.0))
     ks = _dot(k, s0)
     u = v - terms["e"] * ks
     terms.update(kk=kk, inverse=inverse, ks=ks, u=u, w=_dot(inverse, beta * u))
@@ -119,7 +139,7 @@ def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, with_outp
     del seq_ref  # used by the index maps only
     refs = list(refs)
     q_ref = _take(refs, with_output)
-    k_ref, v_ref, b_col_ref, b_row_ref = (refs.pop(0) for _ in range(4))
+    k_ref, v_ref, g_ref = (refs.pop(0) for _ in range(3))
     beta_ref = _take(refs, delta)
     h0_ref = refs.pop(0)
     o_ref = _take(refs, with_output)
@@ -136,16 +156,14 @@ def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, with_outp
     if with_states:
         states_ref[...] = s0
     k, v = k_ref[...].astype(_F32), v_ref[...].astype(_F32)
-    b_col = b_col_ref[...]
     beta = beta_ref[...].astype(_F32) if delta else None
-    terms = _chunk_terms(k, v, b_col, b_row_ref[...], beta, s0)
+    terms = _chunk_terms(k, v, g_ref[...], beta, s0)
     w = terms["w"]
     if with_output:
         q = q_ref[...].astype(_F32) * scale
         o = terms["e"] * _dot(q, s0) + _dot(terms["decay"] * _dot(q, k, tb=True), w)
         o_ref[...] = o.astype(o_ref.dtype)
-    last_b = b_col[-1:, :]
-    s1 = jnp.exp(last_b) * s0 + _dot(k * jnp.exp(last_b - b_col), w, ta=True)
+    s1 = terms["total"] * s0 + _dot(k * terms["f"], w, ta=True)
     state_ref[...] = s1
 
     @pl.when(last_ref[c] == 1)
@@ -157,12 +175,22 @@ def _row_sum(x):
     return jnp.sum(x, axis=1, keepdims=True)
 
 
+def _gate_grad(d_seg, d_start, d_to_end, d_total):
+    """The gates' gradient ``[1, C]`` from those of the sums in :func:`_chunk_decays`: gate ``j`` is
+    in ``seg_ts`` for ``s < j <= t``, in ``start_t`` for ``t >= j``, in ``to_end_t`` for ``t < j``
+    and in the total; summed directly, as the forward does."""
+    rows, cols = _iota(d_seg.shape, 0), _iota(d_seg.shape, 1)
+    before = _dot(d_seg, (rows < cols).astype(_F32))  # [t, j]: d_seg_ts summed over s < j
+    per_step = jnp.where(rows >= cols, before + d_start, d_to_end)
+    return jnp.sum(per_step, axis=0, keepdims=True) + d_total
+
+
 def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chunks):
     del seq_ref
     refs = list(refs)
-    q_ref, k_ref, v_ref, b_col_ref, b_row_ref = (refs.pop(0) for _ in range(5))
+    q_ref, k_ref, v_ref, g_ref = (refs.pop(0) for _ in range(4))
     beta_ref = _take(refs, delta)
-    s0_ref, do_ref, dht_ref, dq_ref, dk_ref, dv_ref, db_col_ref, db_row_ref = (refs.pop(0) for _ in range(8))
+    s0_ref, do_ref, dht_ref, dq_ref, dk_ref, dv_ref, dg_ref = (refs.pop(0) for _ in range(7))
     dbeta_ref = _take(refs, delta)
     dh0_ref, dstate_ref = refs
     c = num_chunks - 1 - pl.program_id(1)
@@ -174,14 +202,12 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
     ds1, s0 = dstate_ref[...], s0_ref[...]
     q = q_ref[...].astype(_F32) * scale
     k, v, do = k_ref[...].astype(_F32), v_ref[...].astype(_F32), do_ref[...].astype(_F32)
-    b_col = b_col_ref[...]
     beta = beta_ref[...].astype(_F32) if delta else None
-    t = _chunk_terms(k, v, b_col, b_row_ref[...], beta, s0)
-    decay, e, w = t["decay"], t["e"], t["w"]
-    last_b = b_col[-1:, :]
-    f = jnp.exp(last_b - b_col)
+    t = _chunk_terms(k, v, g_ref[...], beta, s0)
+    decay, e, f, w = t["decay"], t["e"], t["f"], t["w"]
 
-    # o = e * (q S0) + (decay * q k^T) W and S1 = exp(b_C) S0 + (k f)^T W
+    # o = e * (q S0) + (decay * q k^T) W and S1 = total S0 + (k f)^T W; d_start, d_to_end and
+    # d_total are the gradients of the log decays e, f and total, d_decay that of decay
     qk = _dot(q, k, tb=True)
     dw = _dot(decay * qk, do, ta=True) + _dot(k * f, ds1)
     dp = jnp.where(t["lower"], _dot(do, w, tb=True), 0.0)
@@ -189,11 +215,11 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
     dq = e * _dot(do, s0, tb=True) + _dot(dqk, k)
     w_ds = _dot(w, ds1, tb=True)
     dk = _dot(dqk, q, ta=True) + f * w_ds
-    ds0 = _dot(q * e, do, ta=True) + jnp.exp(last_b) * ds1
+    ds0 = _dot(q * e, do, ta=True) + t["total"] * ds1
     d_decay = dp * qk
-    df = f * _row_sum(k * w_ds)
-    db = e * _row_sum(do * _dot(q, s0)) - df
-    d_last = jnp.sum(df, axis=0, keepdims=True) + jnp.exp(last_b) * jnp.sum(_row_sum(s0 * ds1), axis=0, keepdims=True)
+    d_to_end = f * _row_sum(k * w_ds)
+    d_start = e * _row_sum(do * _dot(q, s0))
+    d_total = t["total"] * jnp.sum(_row_sum(s0 * ds1), axis=0, keepdims=True)
     if delta:
         # W = Tinv (beta u), u = v - e * (k S0), Tinv = (I + strict(decay * beta k k^T))^{-1}
         dr = _dot(t["inverse"], dw, ta=True)
@@ -202,7 +228,7 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
         dbeta_ref[...] = _row_sum(dr * t["u"]) + _row_sum(da * decay * kk)
         du = beta * dr
         dv = du
-        db = db - e * _row_sum(du * t["ks"])
+        d_start = d_start - e * _row_sum(du * t["ks"])
         dk = dk - _dot(e * du, s0, tb=True)
         ds0 = ds0 - _dot(k * e, du, ta=True)
         d_decay = d_decay + da * beta * kk
@@ -210,11 +236,7 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
         dk = dk + _dot(dkk, k) + _dot(dkk, k, ta=True)
     else:
         dv = dw
-    # decay_ts = exp(b_t - b_s): its gradient goes to b_t (row sums) and -b_s (column sums)
-    dz = d_decay * decay
-    rows = _iota(db.shape, 0)
-    db_col_ref[...] = db + _row_sum(dz) + jnp.where(rows == db.shape[0] - 1, d_last, 0.0)
-    db_row_ref[...] = -jnp.sum(dz, axis=0, keepdims=True)
+    dg_ref[...] = _gate_grad(d_decay * decay, d_start, d_to_end, d_total)
     dq_ref[...] = dq * scale
     dk_ref[...] = dk
     dv_ref[...] = dv
@@ -252,19 +274,31 @@ def _specs(heads, value_heads, num_chunks, k_dim, v_dim, *, reverse=False):
     )
 
 
-def _compiler_params():
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+def _launch(kernel, cfg, grid, in_specs, out_specs, out_shape, state_shape, scalars, inputs):
+    """``pallas_call`` of ``kernel`` over ``grid`` with one VMEM state; a grid without steps (no
+    sequences or no value heads) launches nothing: its outputs are all empty, and Pallas would
+    still evaluate a first step's index maps, reading past the empty scalar-prefetch lists."""
+    if 0 in grid:
+        return [jnp.zeros(shape.shape, shape.dtype) for shape in out_shape]
+    return list(pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM(state_shape, _F32)]),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret_params(cfg.interpret),
+    )(*scalars, *inputs))
 
 
-def _run_forward(cfg, q, k, v, b, beta, h0, seq, first, last, *, with_output, with_states):
+def _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, *, with_output, with_states):
     """The forward kernel on the chunk list: (o or None, final states, chunk start states or None)."""
     heads, length, k_dim = k.shape
     value_heads, _, v_dim = v.shape
     num_chunks = length // CHUNK
     spec = _specs(heads, value_heads, num_chunks, k_dim, v_dim)
-    b_col, b_row = b.reshape(value_heads, length, 1), b.reshape(value_heads, num_chunks, 1, CHUNK)
-    inputs = ([q] if with_output else []) + [k, v, b_col, b_row] + ([beta] if cfg.delta else []) + [h0]
-    in_specs = (([spec["qk"]] if with_output else []) + [spec["qk"], spec["v"], spec["col"], spec["row"]]
+    inputs = ([q] if with_output else []) + [k, v, g] + ([beta] if cfg.delta else []) + [h0]
+    in_specs = (([spec["qk"]] if with_output else []) + [spec["qk"], spec["v"], spec["row"]]
                 + ([spec["col"]] if cfg.delta else []) + [spec["seq_state"]])
     out_specs, out_shape = [], []
     if with_output:
@@ -275,67 +309,50 @@ def _run_forward(cfg, q, k, v, b, beta, h0, seq, first, last, *, with_output, wi
     if with_states:
         out_specs.append(spec["chunk_state"])
         out_shape.append(jax.ShapeDtypeStruct((value_heads, num_chunks, k_dim, v_dim), _F32))
-    outs = pl.pallas_call(
-        functools.partial(_forward_kernel, scale=cfg.scale, delta=cfg.delta, with_output=with_output,
-                          with_states=with_states),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(value_heads, num_chunks), in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((k_dim, v_dim), _F32)]),
-        out_shape=out_shape,
-        compiler_params=_compiler_params(),
-        interpret=interpret_params(cfg.interpret),
-    )(seq, first, last, *inputs)
-    outs = list(outs)
+    kernel = functools.partial(_forward_kernel, scale=cfg.scale, delta=cfg.delta, with_output=with_output,
+                               with_states=with_states)
+    outs = _launch(kernel, cfg, (value_heads, num_chunks), in_specs, out_specs, out_shape, (k_dim, v_dim),
+                   (seq, first, last), inputs)
     o = outs.pop(0) if with_output else None
     ht = outs.pop(0)
     return o, ht, (outs.pop(0) if with_states else None)
 
 
-def _run_backward(cfg, q, k, v, b, beta, h0, seq, first, last, do, dht):
-    """Gradients on the chunk list: (dq, dk, dv, db, dbeta or None, dh0), in the inputs' dtypes."""
+def _run_backward(cfg, q, k, v, g, beta, h0, seq, first, last, do, dht):
+    """Gradients on the chunk list: (dq, dk, dv, dg, dbeta or None, dh0), in the inputs' dtypes."""
     heads, length, k_dim = k.shape
     value_heads, _, v_dim = v.shape
     num_chunks = length // CHUNK
-    _, _, starts = _run_forward(cfg, q, k, v, b, beta, h0, seq, first, last, with_output=False, with_states=True)
+    _, _, starts = _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, with_output=False, with_states=True)
     spec = _specs(heads, value_heads, num_chunks, k_dim, v_dim, reverse=True)
-    b_col, b_row = b.reshape(value_heads, length, 1), b.reshape(value_heads, num_chunks, 1, CHUNK)
-    inputs = [q, k, v, b_col, b_row] + ([beta] if cfg.delta else []) + [starts, do, dht]
-    in_specs = ([spec["qk"], spec["qk"], spec["v"], spec["col"], spec["row"]] + ([spec["col"]] if cfg.delta else [])
+    inputs = [q, k, v, g] + ([beta] if cfg.delta else []) + [starts, do, dht]
+    in_specs = ([spec["qk"], spec["qk"], spec["v"], spec["row"]] + ([spec["col"]] if cfg.delta else [])
                 + [spec["chunk_state"], spec["v"], spec["seq_state"]])
     per_head_k = jax.ShapeDtypeStruct((value_heads, length, k_dim), _F32)
-    col = jax.ShapeDtypeStruct((value_heads, length, 1), _F32)
-    out_shape = [per_head_k, per_head_k, jax.ShapeDtypeStruct(v.shape, _F32), col,
-                 jax.ShapeDtypeStruct((value_heads, num_chunks, 1, CHUNK), _F32)]
-    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], spec["col"], spec["row"]]
+    out_shape = [per_head_k, per_head_k, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(g.shape, _F32)]
+    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], spec["row"]]
     if cfg.delta:
-        out_shape.append(col)
+        out_shape.append(jax.ShapeDtypeStruct((value_heads, length, 1), _F32))
         out_specs.append(spec["col"])
     out_shape.append(jax.ShapeDtypeStruct(h0.shape, _F32))
     out_specs.append(spec["seq_state"])
-    outs = list(pl.pallas_call(
-        functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, num_chunks=num_chunks),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(value_heads, num_chunks), in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((k_dim, v_dim), _F32)]),
-        out_shape=out_shape,
-        compiler_params=_compiler_params(),
-        interpret=interpret_params(cfg.interpret),
-    )(seq, first, last, *inputs))
-    dq, dk, dv, db_col, db_row = outs[:5]
-    dbeta = outs[5] if cfg.delta else None
+    kernel = functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, num_chunks=num_chunks)
+    outs = _launch(kernel, cfg, (value_heads, num_chunks), in_specs, out_specs, out_shape, (k_dim, v_dim),
+                   (seq, first, last), inputs)
+    dq, dk, dv, dg = outs[:4]
+    dbeta = outs[4] if cfg.delta else None
     dh0 = outs[-1]
     group = value_heads // heads
     dq = dq.reshape(heads, group, length, k_dim).sum(axis=1)  # value heads sharing a q/k head
     dk = dk.reshape(heads, group, length, k_dim).sum(axis=1)
-    db = db_col.reshape(b.shape) + db_row.reshape(b.shape)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg,
             None if dbeta is None else dbeta.astype(beta.dtype), dh0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunk_core(cfg, q, k, v, b, beta, h0, seq, first, last):
+def _chunk_core(cfg, q, k, v, g, beta, h0, seq, first, last):
     """(o, final states) on the chunk list (see the module docstring); differentiable."""
-    o, ht, _ = _run_forward(cfg, q, k, v, b, beta, h0, seq, first, last, with_output=True, with_states=False)
+    o, ht, _ = _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, with_output=True, with_states=False)
     return o, ht
 
 
@@ -418,7 +435,7 @@ def l2_normalize(x):
 
 def _pack(x, gather):
     """Rows of ``x [B, T, ...]`` picked by ``gather`` from the flattened tokens (past the end: 0)."""
-    flat = x.reshape((-1,) + x.shape[2:])
+    flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])  # not -1: ambiguous for empty x
     flat = jnp.concatenate([flat, jnp.zeros((1,) + flat.shape[1:], flat.dtype)])
     return flat[gather]
 
@@ -441,15 +458,12 @@ def _prepare_chunks(q, k, v, g, beta, initial_state, gather, *, l2norm, num_stat
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     heads_first = lambda x, size: _pad_last(jnp.moveaxis(_pack(x, gather), 1, 0), size)  # noqa: E731
-    length = gather.shape[0]
-    if g is None:
-        b = jnp.zeros((value_heads, length // CHUNK, CHUNK), _F32)
-    else:
-        b = jnp.cumsum(_pack(g.astype(_F32), gather).T.reshape(value_heads, -1, CHUNK), axis=-1)
+    gates = (value_heads, gather.shape[0] // CHUNK, 1, CHUNK)  # a row per chunk
+    g = jnp.zeros(gates, _F32) if g is None else _pack(g.astype(_F32), gather).T.reshape(gates)
     beta = None if beta is None else _pack(beta, gather).T[..., None]
     h0 = _states(initial_state, num_states, value_heads, k_dim, v_dim)
     h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, kp - k_dim), (0, vp - v_dim)))
-    return heads_first(q, kp), heads_first(k, kp), heads_first(v, vp), b, beta, h0
+    return heads_first(q, kp), heads_first(k, kp), heads_first(v, vp), g, beta, h0
 
 
 def _finish_chunks(o, ht, scatter, v_shape, k_dim):
@@ -564,7 +578,7 @@ def _recurrent(q, k, v, g, beta, initial_state, gather, scatter, *, scale, l2nor
     h0 = _states(initial_state, num_states, value_heads, k_dim, v_dim)
     packed = [None if x is None else _pack(x, gather) for x in (q, k, v, g, beta)]
     o, final = _scan(*packed, h0, scale)
-    o = o.reshape((-1, value_heads, v_dim))[scatter].reshape(batch, length, value_heads, v_dim)
+    o = o.reshape((o.shape[0] * o.shape[1], value_heads, v_dim))[scatter].reshape(batch, length, value_heads, v_dim)
     return o.astype(out_dtype), final
 
 

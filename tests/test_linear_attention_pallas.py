@@ -6,7 +6,9 @@ them: float32 kernels within 5e-3 for outputs and final states, 8e-3 for dq, dk,
 2e-2 for dg and dbeta. Covers one step, lengths around the 64-step chunk, K/V off the 128 lanes,
 grouped value heads, packed sequences (an empty one included), weak and strong decays, keys all
 alike (where a Neumann-series inverse would cancel catastrophically), GLA with and without a gate,
-the ops with ``implementation="pallas"``, the TPU lowering, and torchax tensors.
+gates of -1e4 and -inf at chunk and sequence edges, nothing to compute (B = 0, T = 0, no value heads,
+packed sequences all empty), the ops with ``implementation="pallas"``, the TPU lowering, and
+torchax tensors.
 """
 
 from __future__ import annotations
@@ -313,3 +315,116 @@ with env:
         torch_kernels.chunk_simple_gla(jq, jk, jv, implementation="triton")
 print("torchax ok")
 """
+
+
+# (id, B, T, value heads, cu_seqlens, with initial state): nothing to run, or sequences of no steps
+EMPTY = [
+    ("B0", 0, 5, 2, None, True),
+    ("B0-T0-no-state", 0, 0, 2, None, False),
+    ("T0", 2, 0, 2, None, True),
+    ("no-value-heads", 1, 5, 0, None, True),
+    ("packed-all-empty-no-state", 1, 0, 2, (0, 0, 0), False),
+    ("packed-some-empty", 1, 9, 2, (0, 0, 4, 4, 9, 9), True),
+]
+OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", EMPTY, ids=[c[0] for c in EMPTY])
+def test_empty_batches_and_sequences_match_the_reference(case, op):
+    """Forward and backward as the reference: empty outputs, and a sequence of no steps hands its
+    initial state (or zeros) through, and dht back to dh0, bit for bit. The interpreter raises on
+    any out-of-bounds read (B = 0 once indexed the empty per-chunk lists)."""
+    _, b, t, hv, cu, with_state = case
+    if op == "chunk_simple_gla" and hv == 0:
+        pytest.skip("chunk_simple_gla has one value head per head")
+    h = max(hv, 1)  # as many heads as value heads (as GLA needs), and one where there are none
+    gen = torch.Generator().manual_seed(21)
+    num_states = b if cu is None else len(cu) - 1
+    inputs = dict(q=torch.randn(b, t, h, 8, generator=gen), k=torch.randn(b, t, h, 8, generator=gen) / 8 ** 0.5,
+                  v=torch.randn(b, t, hv, 8, generator=gen), g=-torch.rand(b, t, hv, generator=gen),
+                  initial_state=torch.randn(num_states, hv, 8, 8, generator=gen) if with_state else None)
+    if op != "chunk_simple_gla":
+        inputs["beta"] = torch.rand(b, t, hv, generator=gen)
+    do, dht = torch.randn(b, t, hv, 8, generator=gen), torch.randn(num_states, hv, 8, 8, generator=gen)
+    offsets = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    fn = getattr(torch_kernels, op)
+
+    def run(implementation):
+        leaves = {n: x.clone().requires_grad_() for n, x in inputs.items() if x is not None}
+        o, ht = fn(**leaves, scale=SCALE, cu_seqlens=offsets, output_final_state=True, implementation=implementation)
+        used = [(x, dx) for x, dx in ((o, do), (ht, dht)) if x.requires_grad]  # T = 0, no state: ht is not
+        grads = torch.autograd.grad([x for x, _ in used], list(leaves.values()), [dx for _, dx in used],
+                                    allow_unused=True, materialize_grads=True)
+        return o, ht, dict(zip(leaves, grads))
+
+    o, ht, grads = run("pallas")
+    assert backends.last_backend(op) == "pallas" and backends.last_backend(f"{op}_backward") == "pallas"
+    want_o, want_ht, want_grads = run("reference")
+    assert o.shape == want_o.shape and ht.shape == want_ht.shape
+    for name, got, want in [("o", o, want_o), ("final state", ht, want_ht)] + [(n, grads[n], want_grads[n])
+                                                                             for n in want_grads]:
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.isfinite(got).all() and (got.numel() == 0 or rel_rmse(got, want) <= 1e-5), name
+    spans = [(0, t)] * b if cu is None else list(zip(cu[:-1], cu[1:]))
+    for n, (start, end) in enumerate(spans):
+        if start == end:
+            assert torch.equal(ht[n], inputs["initial_state"][n] if with_state else torch.zeros_like(ht[n]))
+            if with_state:
+                assert torch.equal(grads["initial_state"][n], dht[n])
+
+
+@pytest.mark.parametrize("form", ["delta", "gla"])
+def test_empty_batch_in_jax(form):
+    """B = 0 through jax.vjp (the kernels' custom_vjp, which torchax uses): empty results."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = _kernels()
+    q, v, gate = jnp.zeros((0, 3, 1, 8)), jnp.zeros((0, 3, 1, 8)), jnp.zeros((0, 3, 1))
+    h0 = jnp.zeros((0, 1, 8, 8))
+    if form == "delta":
+        fn = functools.partial(kernels.chunk_gated_delta_rule, beta=gate, scale=SCALE)
+    else:
+        fn = functools.partial(kernels.chunk_simple_gla, scale=SCALE)
+    (o, ht), vjp = jax.vjp(lambda q, k, v, g, h0: fn(q, k, v, g, initial_state=h0), q, q, v, gate, h0)
+    assert o.shape == v.shape and ht.shape == h0.shape
+    assert [x.shape for x in vjp((o, ht))] == [q.shape, q.shape, v.shape, gate.shape, h0.shape]
+
+
+def spiky_gates(length, value_heads, spike):
+    """-0.1 per step, ``spike`` on the first and last steps of chunks and packed sequences."""
+    g = torch.full((1, length, value_heads), -0.1)
+    g[:, [0, 1, 5, 63, 64, 100, 127, 129]] = spike
+    return g
+
+
+@pytest.mark.parametrize("spike", [-1e4, float("-inf")], ids=["g-1e4", "g-inf"])
+@pytest.mark.parametrize("form", ["delta", "gla"])
+def test_extreme_gates_across_chunks_and_sequences(form, spike):
+    """Gates of -1e4 and -inf (a full reset) at chunk and packed-sequence edges, over three chunks
+    with grouped value heads: outputs and gradients within float32 rounding of the definition."""
+    case = CASES[4]  # T = 130 packed as (0, 1, 64, 64, 130)
+    kernels = _kernels()
+    (q, k, v, _, beta, h0), do, dht = make_inputs(31, case, delta=form == "delta")
+    g = spiky_gates(case[2], case[4], spike)
+    if form == "gla":  # one value head per head
+        q, k = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
+    inputs = (q, k, v, g, beta, h0)
+    want = naive(*inputs, case[7], form == "delta", do, dht)
+
+    if form == "delta":
+        def fn(q, k, v, g, beta, h0):
+            return kernels.chunk_gated_delta_rule(q, k, v, g, beta, SCALE, h0, _offsets(case), True)
+        o, ht, grads = jax_vjp(fn, inputs, do, dht)
+    else:
+        def fn(q, k, v, g, h0):
+            return kernels.chunk_simple_gla(q, k, v, g, SCALE, h0, _offsets(case))
+        o, ht, grads = jax_vjp(fn, (q, k, v, g, h0), do, dht)
+        grads = (*grads[:4], None, grads[4])
+    errors = {"o": rel_rmse(o, want[0]), "final state": rel_rmse(ht, want[1])}
+    for name, got, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want[2]):
+        if w is not None:
+            errors[name] = rel_rmse(got, w)
+    bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"relative RMSE above 1e-5: {bad}"
