@@ -402,8 +402,95 @@ SERVING = [
 ]
 
 
+# ---- moe ----
+
+def _moe_inputs() -> dict:
+    """T = 5 tokens, H = 16, I = 8, E = 4 experts, k = 2."""
+    gen = torch.Generator().manual_seed(0)
+    return dict(x=torch.randn(5, 16, generator=gen), w13=torch.randn(4, 16, 16, generator=gen),
+                w2=torch.randn(4, 16, 8, generator=gen), topk_weights=torch.rand(5, 2, generator=gen),
+                topk_ids=torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0], [2, 1]], dtype=torch.int32))
+
+
+def _moe(op: str, change) -> Callable[[str], object]:
+    def call(backend):
+        kw = _moe_inputs()
+        if op == "router_topk":
+            kw = dict(logits=torch.randn(5, 4), top_k=2)
+        elif op == "moe_dispatch":
+            kw = dict(x=kw["x"], topk_ids=kw["topk_ids"], num_experts=4)
+        elif op == "moe_combine":
+            x_sorted, _, handle = torch_kernels.moe_dispatch(kw["x"], kw["topk_ids"], 4)
+            kw = dict(y=x_sorted, handle=handle, topk_weights=kw["topk_weights"])
+        elif op == "grouped_mm":
+            kw = dict(x=torch.randn(10, 16), w=torch.randn(4, 16, 8), offsets=torch.tensor([2, 2, 7, 9], dtype=torch.int32))
+        change(kw)
+        return getattr(torch_kernels, op)(**kw, implementation=backend)
+    return call
+
+
+def _fp8(kw, block_shape=None):
+    kw.update(w13=kw["w13"].to(torch.float8_e4m3fn), w2=kw["w2"].to(torch.float8_e4m3fn), w13_scale=torch.ones(4, 16),
+              w2_scale=torch.ones(4, 16), block_shape=block_shape)
+
+
+MOE = [  # (op, case, argument, error, change)
+    ("router_topk", "logits int", "logits", TypeError, _map("logits", lambda t: t.int())),
+    ("router_topk", "logits 1-D", "logits", ValueError, _map("logits", lambda t: t[0])),
+    ("router_topk", "top_k 0", "top_k", ValueError, _set("top_k", 0)),
+    ("router_topk", "top_k past the experts", "top_k", ValueError, _set("top_k", 5)),
+    ("router_topk", "top_k 2.5", "top_k", TypeError, _set("top_k", 2.5)),
+    ("router_topk", "scoring unknown", "scoring", ValueError, _set("scoring", "relu")),
+    ("router_topk", "renormalize a string", "renormalize", TypeError, _set("renormalize", "yes")),
+    ("router_topk", "groups without topk_groups", "num_expert_groups, topk_groups", ValueError,
+     _set("num_expert_groups", 2)),
+    ("router_topk", "groups not dividing the experts", "num_expert_groups", ValueError,
+     lambda kw: kw.update(num_expert_groups=3, topk_groups=1)),
+    ("router_topk", "topk_groups past the groups", "topk_groups", ValueError,
+     lambda kw: kw.update(num_expert_groups=2, topk_groups=3)),
+    ("router_topk", "top_k past the kept groups", "top_k", ValueError,
+     lambda kw: kw.update(num_expert_groups=4, topk_groups=1)),
+    ("router_topk", "correction_bias size", "correction_bias", ValueError, _set("correction_bias", torch.zeros(3))),
+    ("router_topk", "routed_scaling_factor nan", "routed_scaling_factor", ValueError,
+     _set("routed_scaling_factor", math.nan)),
+    ("moe_dispatch", "x int", "x", TypeError, _map("x", lambda t: t.int())),
+    ("moe_dispatch", "topk_ids float", "topk_ids", TypeError, _map("topk_ids", lambda t: t.float())),
+    ("moe_dispatch", "expert id past the experts", "topk_ids", ValueError, _index("topk_ids", (1, 1), 4)),
+    ("moe_dispatch", "expert id below -1", "topk_ids", ValueError, _index("topk_ids", (0, 0), -2)),
+    ("moe_dispatch", "topk_ids rows", "topk_ids", ValueError, _map("topk_ids", lambda t: t[:4])),
+    ("moe_dispatch", "num_experts 0", "num_experts", ValueError, _set("num_experts", 0)),
+    ("moe_combine", "handle a tuple", "handle", TypeError, lambda kw: kw.update(handle=(1, 2))),
+    ("moe_combine", "y rows", "y", ValueError, _map("y", lambda t: t[:9])),
+    ("moe_combine", "topk_weights shape", "topk_weights", ValueError, _map("topk_weights", lambda t: t[:, :1])),
+    ("grouped_mm", "x 1-D", "x", ValueError, _map("x", lambda t: t[0])),
+    ("grouped_mm", "w dtype", "w", TypeError, _map("w", lambda t: t.half())),
+    ("grouped_mm", "w K", "w", ValueError, _map("w", lambda t: t[:, :8])),
+    ("grouped_mm", "offsets int64", "offsets", TypeError, _map("offsets", lambda t: t.long())),
+    ("grouped_mm", "offsets per expert", "offsets", ValueError, _map("offsets", lambda t: t[:3])),
+    ("grouped_mm", "offsets decreasing", "offsets", ValueError, _index("offsets", 2, 1)),
+    ("grouped_mm", "offsets past the rows", "offsets", ValueError, _index("offsets", 3, 11)),
+    ("grouped_mm", "out_dtype int", "out_dtype", TypeError, _set("out_dtype", torch.int32)),
+    ("fused_moe", "x hidden size", "w13", ValueError, _map("x", lambda t: t[:, :15])),
+    ("fused_moe", "w13 odd 2I", "w13", ValueError, _map("w13", lambda t: t[:, :15])),
+    ("fused_moe", "w2 shape", "w2", ValueError, _map("w2", lambda t: t[:, :, :4])),
+    ("fused_moe", "w2 dtype", "w2", TypeError, _map("w2", lambda t: t.half())),
+    ("fused_moe", "activation unknown", "activation", ValueError, _set("activation", "relu")),
+    ("fused_moe", "expert id past the experts", "topk_ids", ValueError, _index("topk_ids", (4, 0), 7)),
+    ("fused_moe", "topk_weights shape", "topk_weights", ValueError, _map("topk_weights", lambda t: t[:, :1])),
+    ("fused_moe", "fp8 without scales", "w13_scale, w2_scale", ValueError,
+     lambda kw: kw.update(w13=kw["w13"].to(torch.float8_e4m3fn), w2=kw["w2"].to(torch.float8_e4m3fn))),
+    ("fused_moe", "fp8 scale shape", "w2_scale", ValueError, lambda kw: (_fp8(kw), kw.update(w2_scale=torch.ones(4, 8)))),
+    ("fused_moe", "fp8 block scales of another block", "w13_scale", ValueError, lambda kw: _fp8(kw, [8, 8])),
+    ("fused_moe", "block_shape of three", "block_shape", ValueError, lambda kw: _fp8(kw, [8, 8, 8])),
+    ("fused_moe", "scales for unquantized weights", "w13_scale, w2_scale, block_shape", ValueError,
+     _set("w13_scale", torch.ones(4, 16))),
+    ("fused_moe", "fp8 scale float16", "w13_scale", TypeError,
+     lambda kw: (_fp8(kw), kw.update(w13_scale=torch.ones(4, 16, dtype=torch.float16)))),
+]
+
+
 def table(family: str) -> list[Row]:
-    """The rows of ``family``: ``paged_attention``, ``linear_attention``, ``ood`` or ``serving``."""
+    """The rows of ``family``: one of ``FAMILIES``."""
     if family == "paged_attention":
         return ([Row(f"ragged_paged_attention: {c}", a, e, _attention(ch)) for c, a, e, ch in ATTENTION]
                 + [Row(f"reshape_and_cache: {c}", a, e, _write(ch)) for c, a, e, ch in WRITE])
@@ -413,10 +500,12 @@ def table(family: str) -> list[Row]:
         return [Row(*row) for row in OOD]
     if family == "serving":
         return [Row(*row) for row in SERVING]
+    if family == "moe":
+        return [Row(f"{op}: {c}", a, e, _moe(op, ch)) for op, c, a, e, ch in MOE]
     raise ValueError(f"family: unknown {family!r}")
 
 
-FAMILIES = ("paged_attention", "linear_attention", "ood", "serving")
+FAMILIES = ("paged_attention", "linear_attention", "ood", "serving", "moe")
 
 
 def run(family: str, backend: str) -> list[tuple[str, str, str]]:

@@ -300,3 +300,50 @@ empty prompt -> ValueError: prompts[0]: expected at least one token, got none
 float tensor prompt -> TypeError: prompts[0]: expected a 1-D integer tensor of token ids, got torch.float32 of shape (1,)
 more blocks than the cache -> ValueError: prompts[0]: 30 tokens plus max_new_tokens=8 need 10 blocks, the cache has 8 of 4 tokens
 """)
+
+    def test_moe(self):
+        self.assertExpectedInline(_reference_text("moe"), """\
+router_topk: logits int -> TypeError: logits: expected dtype in (float16, bfloat16, float32, float64), got torch.int32
+router_topk: logits 1-D -> ValueError: logits: expected 2 dimensions, got shape (4,)
+router_topk: top_k 0 -> ValueError: top_k: expected 1 <= top_k <= 4 (experts in logits), got 0
+router_topk: top_k past the experts -> ValueError: top_k: expected 1 <= top_k <= 4 (experts in logits), got 5
+router_topk: top_k 2.5 -> TypeError: top_k: expected an int, got float 2.5
+router_topk: scoring unknown -> ValueError: scoring: expected one of ('softmax', 'sigmoid'), got 'relu'
+router_topk: renormalize a string -> TypeError: renormalize: expected a bool, got str
+router_topk: groups without topk_groups -> ValueError: num_expert_groups, topk_groups: expected both or neither, got 2 and None
+router_topk: groups not dividing the experts -> ValueError: num_expert_groups: expected a divisor of the 4 experts, got 3
+router_topk: topk_groups past the groups -> ValueError: topk_groups: expected 1 <= topk_groups <= num_expert_groups (2), got 3
+router_topk: top_k past the kept groups -> ValueError: top_k: expected at most the 1 experts of the topk_groups kept groups, got 2
+router_topk: correction_bias size -> ValueError: correction_bias: expected size 4 in dimension 0 (experts E of logits), got 3
+router_topk: routed_scaling_factor nan -> ValueError: routed_scaling_factor: expected a finite number, got nan
+moe_dispatch: x int -> TypeError: x: expected dtype in (float16, bfloat16, float32, float64), got torch.int32
+moe_dispatch: topk_ids float -> TypeError: topk_ids: expected dtype in (int32, int64), got torch.float32
+moe_dispatch: expert id past the experts -> ValueError: topk_ids: expected expert ids in [0, 4) or -1 (dropped), got 4 at (1, 1)
+moe_dispatch: expert id below -1 -> ValueError: topk_ids: expected expert ids in [0, 4) or -1 (dropped), got -2 at (0, 0)
+moe_dispatch: topk_ids rows -> ValueError: topk_ids: expected size 5 in dimension 0 (tokens T of x), got 4
+moe_dispatch: num_experts 0 -> ValueError: num_experts: expected an int >= 1, got 0
+moe_combine: handle a tuple -> TypeError: handle: expected the MoEHandle that moe_dispatch returned, got tuple
+moe_combine: y rows -> ValueError: y: expected size 10 in dimension 0 (rows T * k of the dispatch), got 9
+moe_combine: topk_weights shape -> ValueError: topk_weights: expected shape (5, 2) (T, k of the dispatch), got (5, 1)
+grouped_mm: x 1-D -> ValueError: x: expected 2 dimensions, got shape (16,)
+grouped_mm: w dtype -> TypeError: w: expected dtype in (float32), got torch.float16
+grouped_mm: w K -> ValueError: w: expected size 16 in dimension 1 (K of x), got 8
+grouped_mm: offsets int64 -> TypeError: offsets: expected dtype in (int32), got torch.int64
+grouped_mm: offsets per expert -> ValueError: offsets: expected size 4 in dimension 0 (experts E of w), got 3
+grouped_mm: offsets decreasing -> ValueError: offsets: expected non-decreasing cumulative row ends, got 1 after 2
+grouped_mm: offsets past the rows -> ValueError: offsets: expected to end at most at the 10 rows of x, got 11
+grouped_mm: out_dtype int -> TypeError: out_dtype: expected None or a float dtype, got torch.int32
+fused_moe: x hidden size -> ValueError: w13: expected size 15 in dimension 2 (hidden size H of x), got 16
+fused_moe: w13 odd 2I -> ValueError: w13: expected an even, non-zero size 2I in dimension 1 (gate and up), got 15
+fused_moe: w2 shape -> ValueError: w2: expected shape (4, 16, 8) (E, H, I of w13), got (4, 16, 4)
+fused_moe: w2 dtype -> TypeError: w2: expected dtype in (float32), got torch.float16
+fused_moe: activation unknown -> ValueError: activation: expected one of ('silu', 'gelu', 'swigluoai'), got 'relu'
+fused_moe: expert id past the experts -> ValueError: topk_ids: expected expert ids in [0, 4) or -1 (dropped), got 7 at (4, 0)
+fused_moe: topk_weights shape -> ValueError: topk_weights: expected shape (5, 2) (as topk_ids), got (5, 1)
+fused_moe: fp8 without scales -> ValueError: w13_scale, w2_scale: expected float32 scales for float8_e4m3fn weights, got None
+fused_moe: fp8 scale shape -> ValueError: w2_scale: expected shape (4, 16) (per output channel), got (4, 8)
+fused_moe: fp8 block scales of another block -> ValueError: w13_scale: expected shape (4, 2, 2) (per [8, 8] block), got (4, 16)
+fused_moe: block_shape of three -> ValueError: block_shape: expected [block_n, block_k] of positive ints, got [8, 8, 8]
+fused_moe: scales for unquantized weights -> ValueError: w13_scale, w2_scale, block_shape: expected None for unquantized weights (scales go with float8_e4m3fn weights), got weights of torch.float32
+fused_moe: fp8 scale float16 -> TypeError: w13_scale: expected dtype in (float32), got torch.float16
+""")

@@ -11,6 +11,7 @@ from .backends import available_backends, unavailable_reasons, use_backend
 from .ops.ood import mahalanobis_score
 from .ops.linear_attention import chunk_gated_delta_rule, chunk_simple_gla, fused_recurrent_gated_delta_rule
 from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
+from .ops.moe import MoEHandle, fused_moe, grouped_mm, moe_combine, moe_dispatch, router_topk
 from . import ood
 
 
@@ -36,6 +37,12 @@ __all__ = [
     "chunk_simple_gla",
     "ragged_paged_attention",
     "reshape_and_cache",
+    "router_topk",
+    "moe_dispatch",
+    "grouped_mm",
+    "moe_combine",
+    "fused_moe",
+    "MoEHandle",
     "ood",
     "torchax_environment",
 ]

@@ -1,0 +1,423 @@
+"""The moe family (router_topk, moe_dispatch, grouped_mm, moe_combine, fused_moe) through the
+public API on every backend, against the readable definitions in ``reference.moe`` (loops over
+experts) and ``torch.nn.functional.grouped_mm``; gradients against autograd through the
+definitions, by relative RMSE; then the op contract (gradcheck, opcheck, torch.compile of an MoE
+layer forward and backward, profiler names, FLOP counts).
+
+Routings are random and deliberately uneven: skewed (most tokens to a few experts), uniform, all
+tokens to one expert, empty experts, dropped slots (id -1), k from 1 to 8, E up to 128, odd H and I.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_kernels
+from harness import (
+    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend, run_opcheck,
+)
+from torch_kernels import backends
+from torch_kernels.ops import moe as ops
+from torch_kernels.reference import moe as reference
+
+BACKENDS = backend_params("fused_moe")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def relative_rmse(got, want) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    if want.numel() == 0:
+        return 0.0
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_routing(kind: str, tokens: int, experts: int, k: int, gen) -> torch.Tensor:
+    """int32 ``[T, k]`` expert ids, distinct per token, of the given ``kind``."""
+    if kind == "uniform":
+        scores = torch.rand(tokens, experts, generator=gen)
+    elif kind == "skewed":  # a few popular experts
+        scores = torch.rand(tokens, experts, generator=gen) * torch.logspace(0, -3, experts)
+    elif kind == "one expert":  # every token's first choice is expert 0
+        scores = torch.rand(tokens, experts, generator=gen)
+        scores[:, 0] = 2.0
+    else:  # "dropped": uniform, then some slots dropped (-1)
+        scores = torch.rand(tokens, experts, generator=gen)
+    ids = scores.topk(k, dim=-1).indices.to(torch.int32)
+    if kind == "dropped":
+        ids[torch.rand(tokens, k, generator=gen) < 0.3] = -1
+    return ids
+
+
+def make_layer(tokens=13, hidden=33, inter=20, experts=6, k=2, kind="skewed", dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
+    ids = make_routing(kind, tokens, experts, k, gen)
+    weights = torch.rand(tokens, k, generator=gen).softmax(dim=-1)
+    return x, w13, w2, weights, ids
+
+
+ROUTINGS = ["skewed", "uniform", "one expert", "dropped"]
+SHAPES = {  # (tokens, hidden, inter, experts, k)
+    "small odd": (13, 33, 20, 6, 2),
+    "k1": (9, 16, 8, 4, 1),
+    "k8 many experts": (10, 24, 12, 128, 8),
+    "one token": (1, 40, 24, 8, 3),
+    "no tokens": (0, 16, 8, 4, 2),
+}
+
+
+# ---- router_topk ----
+
+ROUTER_CASES = {
+    "softmax renormalized": dict(scoring="softmax", renormalize=True),
+    "softmax raw": dict(scoring="softmax", renormalize=False),
+    "deepseek groups": dict(scoring="sigmoid", renormalize=True, num_expert_groups=8, topk_groups=4,
+                            routed_scaling_factor=2.5),
+    "sigmoid with bias, no groups": dict(scoring="sigmoid", renormalize=False),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_matches_definition(backend, case):
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 64, generator=gen) * 3
+    kwargs = dict(ROUTER_CASES[case])
+    if kwargs["scoring"] == "sigmoid":
+        kwargs["correction_bias"] = torch.randn(64, generator=gen) * 0.1
+    weights, ids = torch_kernels.router_topk(logits, 6, implementation=backend, **kwargs)
+    assert backends.last_backend("router_topk") == backend
+    assert (weights.dtype, ids.dtype, weights.shape) == (torch.float32, torch.int32, (37, 6))
+    full = dict(num_expert_groups=None, topk_groups=None, correction_bias=None, routed_scaling_factor=1.0)
+    want_w, want_ids = reference.router_topk(logits, 6, **{**full, **kwargs})
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    if "num_expert_groups" in kwargs:  # every choice lies within the kept groups
+        assert (ids // 8).unique(dim=None).numel() <= 37 * 4
+
+
+def test_router_gradient_and_bias():
+    """d weights / d logits by autograd through the scores, the choice fixed; the bias steers the
+    choice only."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(16, generator=gen, dtype=torch.float64)
+    for kwargs in ROUTER_CASES.values():
+        extra = {"correction_bias": bias} if kwargs["scoring"] == "sigmoid" else {}
+        kwargs = {**kwargs, "num_expert_groups": 4, "topk_groups": 2} if "num_expert_groups" in kwargs else kwargs
+        assert torch.autograd.gradcheck(lambda t: torch_kernels.router_topk(t, 3, **kwargs, **extra)[0], (logits,))
+    huge = torch.zeros(16, dtype=torch.float64)
+    huge[5] = 100.0
+    w, ids = torch_kernels.router_topk(logits, 2, scoring="sigmoid", correction_bias=huge, renormalize=False)
+    assert (ids == 5).any(dim=1).all()
+    torch.testing.assert_close(w[ids == 5], logits.sigmoid()[:, 5])
+
+
+# ---- dispatch and combine ----
+
+def dispatch_definition(x, ids, num_experts):
+    """Rows sorted by expert, tokens in order within each; dropped slots last as zero rows."""
+    t, k = ids.shape
+    rows, counts = [], []
+    for e in range(num_experts):
+        chosen = [(token, j) for token in range(t) for j in range(k) if int(ids[token, j]) == e]
+        counts.append(len(chosen))
+        rows += [x[token] for token, _ in chosen]
+    rows += [x.new_zeros(x.shape[1])] * (t * k - len(rows))
+    sorted_rows = torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
+    return sorted_rows, torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("shape", ["small odd", "k8 many experts", "no tokens"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatch_and_combine(backend, shape, kind):
+    require_backend(backend)
+    tokens, hidden, _, experts, k = SHAPES[shape]
+    x, _, _, weights, ids = make_layer(tokens, hidden, 8, experts, k, kind, seed=3)
+    x_sorted, offsets, handle = torch_kernels.moe_dispatch(x, ids, experts, implementation=backend)
+    want_rows, want_offsets = dispatch_definition(x, ids, experts)
+    assert torch.equal(offsets, want_offsets) and offsets.dtype == torch.int32
+    assert torch.equal(x_sorted, want_rows)
+    y = torch.randn(x_sorted.shape, generator=torch.Generator().manual_seed(4))
+    y[int(offsets[-1]):] = float("nan")  # dropped slots' rows are never read
+    out = torch_kernels.moe_combine(y, handle, weights, implementation=backend)
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            if ids[t, j] >= 0:
+                want[t] += weights[t, j].double() * y[handle.row_of_slot[t, j]].double()
+    assert_close(out, want, torch.float32, what="combine")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatch_and_combine_gradients(backend):
+    """The backward of dispatch is a combine of the row gradients; combine's is a dispatch of the
+    token gradients times the weights, and d weights = <d out, y>."""
+    require_backend(backend)
+    x, _, _, weights, ids = make_layer(11, 24, 8, 5, 3, "dropped", seed=5)
+    x = x.requires_grad_()
+    weights = weights.requires_grad_()
+    x_sorted, offsets, handle = torch_kernels.moe_dispatch(x, ids, 5, implementation=backend)
+    y = x_sorted * torch.linspace(0.5, 1.5, x_sorted.shape[0])[:, None]
+    out = torch_kernels.moe_combine(y, handle, weights, implementation=backend)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    got = torch.autograd.grad(out, [x, weights], d_out)
+    want_rows, _ = dispatch_definition(x, ids, 5)
+    want_y = want_rows * torch.linspace(0.5, 1.5, x_sorted.shape[0])[:, None]
+    picked = want_y[handle.row_of_slot.clamp(min=0)]
+    want_out = torch.where((ids >= 0)[..., None], picked * weights[..., None], 0).sum(dim=1)
+    want = torch.autograd.grad(want_out, [x, weights], d_out)
+    for name, a, b in zip(("dx", "dweights"), got, want):
+        assert relative_rmse(a, b) < 1e-6, name
+
+
+# ---- grouped_mm ----
+
+def random_offsets(rows: int, experts: int, gen, empty_every: int = 3) -> torch.Tensor:
+    counts = torch.randint(0, 5, (experts,), generator=gen)
+    counts[::empty_every] = 0
+    counts = (counts.float() / counts.sum().clamp(min=1) * rows).floor().long()
+    return counts.cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w-transposed-view"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mm_matches_definition(backend, dtype, transposed):
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(7)
+    m, k_dim, n, experts = 37, 33, 20, 7
+    x = torch.randn(m, k_dim, generator=gen).to(dtype)
+    w = torch.randn(experts, n, k_dim, generator=gen).to(dtype).transpose(1, 2) if transposed \
+        else torch.randn(experts, k_dim, n, generator=gen).to(dtype)
+    offsets = random_offsets(30, experts, gen)  # rows 30.. belong to no expert
+    out = torch_kernels.grouped_mm(x, w, offsets, implementation=backend)
+    assert backends.last_backend("grouped_mm") == backend
+    want = reference.grouped_mm_naive(x.double(), w.double(), offsets, torch.float64)
+    assert out.dtype == dtype and torch.all(out[int(offsets[-1]):] == 0)
+    assert_close(out, want, dtype, what="grouped_mm")
+    out32 = torch_kernels.grouped_mm(x, w, offsets, out_dtype=torch.float32, implementation=backend)
+    assert out32.dtype == torch.float32
+    assert_close(out32, want, dtype, what="grouped_mm float32 out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_mm_equals_torch_grouped_mm(dtype):
+    """torch.nn.functional.grouped_mm, the peer, on the rows it defines (it leaves later rows as
+    they come), shapes it takes (16-byte aligned)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 32, generator=gen).to(dtype)
+    w = torch.randn(5, 32, 16, generator=gen).to(dtype)
+    offsets = torch.tensor([3, 3, 20, 31, 36], dtype=torch.int32)
+    for backend in [b.values[0] for b in BACKENDS]:
+        if backends.unavailable_reason(backend) is not None:
+            continue
+        ours = torch_kernels.grouped_mm(x, w, offsets, implementation=backend)
+        peer = F.grouped_mm(x, w, offs=offsets)
+        assert_close(ours[:36], peer[:36].float(), dtype, what=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mm_gradients(backend):
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(29, 17, generator=gen, requires_grad=True)
+    w_base = torch.randn(6, 11, 17, generator=gen, requires_grad=True)
+    offsets = random_offsets(25, 6, gen)
+    out = torch_kernels.grouped_mm(x, w_base.transpose(1, 2), offsets, implementation=backend)
+    d_out = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, [x, w_base], d_out)
+    assert backends.last_backend("grouped_mm_weight_grad") == backend
+    want_out = reference.grouped_mm_naive(x.double(), w_base.double().transpose(1, 2), offsets, torch.float64)
+    want = torch.autograd.grad(want_out, [x, w_base], d_out.double())
+    for name, a, b in zip(("dx", "dw"), got, want):
+        assert relative_rmse(a, b) < 1e-5, name
+
+
+# ---- fused_moe ----
+
+def fused_definition(x, w13, w2, weights, ids, activation="silu", w13_scale=None, w2_scale=None, block_shape=None):
+    return reference.fused_moe_naive(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, block_shape)
+
+
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_moe_matches_definition(backend, shape, activation):
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(*SHAPES[shape], kind="dropped" if shape == "small odd" else "skewed", seed=10)
+    out = torch_kernels.fused_moe(x, w13, w2, weights, ids, activation, implementation=backend)
+    assert backends.last_backend("fused_moe") == backend
+    want = fused_definition(x.double(), w13.double(), w2.double(), weights, ids, activation)
+    assert_close(out, want, torch.float32, what=f"{shape} {activation}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_moe_half_precision(backend, kind, dtype):
+    """16-bit x and weights: float32 accumulation, h rounded to x's dtype between the GEMMs."""
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(kind=kind, dtype=dtype, seed=11)
+    out = torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=backend)
+    assert out.dtype == dtype
+    assert_close(out, fused_definition(x, w13, w2, weights, ids).float(), dtype, what=kind)
+
+
+def quantize_fp8(w: torch.Tensor, block_shape=None):
+    """float8_e4m3fn entries and float32 scales (per output channel, or per block), amax / 448."""
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    if block_shape is None:
+        scale = w.abs().amax(dim=2).clamp(min=1e-12) / largest
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+    bn, bk = block_shape
+    e, n, k = w.shape
+    padded = F.pad(w, (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(e, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / largest
+    full = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("block_shape", [None, (16, 32)], ids=["per-channel", "blocks"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_moe_fp8_weights(backend, dtype, block_shape):
+    """float8_e4m3fn weights with float32 scales, dequantized in the kernel: equal to the
+    definition on the dequantized weights."""
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(tokens=11, hidden=48, inter=40, experts=5, k=2, dtype=dtype, seed=12)
+    q13, s13 = quantize_fp8(w13.float(), block_shape)
+    q2, s2 = quantize_fp8(w2.float(), block_shape)
+    out = torch_kernels.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2,
+                                  block_shape=None if block_shape is None else list(block_shape), implementation=backend)
+    want = fused_definition(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, block_shape=block_shape)
+    assert_close(out, want.float(), dtype, what="fp8")
+
+
+def composition(x, w13, w2, weights, ids, activation="silu", implementation=None):
+    x_sorted, offsets, handle = torch_kernels.moe_dispatch(x, ids, w13.shape[0], implementation=implementation)
+    gate_up = torch_kernels.grouped_mm(x_sorted, w13.transpose(1, 2), offsets, out_dtype=torch.float32,
+                                       implementation=implementation)
+    h = reference.activate(gate_up, activation).to(x.dtype)
+    y = torch_kernels.grouped_mm(h, w2.transpose(1, 2), offsets, out_dtype=torch.float32,
+                                 implementation=implementation)
+    return torch_kernels.moe_combine(y, handle, weights, implementation=implementation).to(x.dtype)
+
+
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_moe_gradients(backend, activation):
+    """Every gradient of fused_moe, and of the composition it equals, against autograd through the
+    float64 definition."""
+    require_backend(backend)
+    layer = make_layer(tokens=9, hidden=21, inter=10, experts=5, k=3, kind="dropped", seed=13)
+    ids = layer[4]
+    leaves = [t.clone().requires_grad_() for t in layer[:4]]
+    want_out = fused_definition(*[t.double() for t in leaves], ids, activation)
+    d_out = torch.randn(want_out.shape, generator=torch.Generator().manual_seed(14))
+    want = torch.autograd.grad(want_out, leaves, d_out.double())
+    for name, fn in (("fused", torch_kernels.fused_moe), ("composition", composition)):
+        out = fn(*leaves, ids, activation, implementation=backend)
+        got = torch.autograd.grad(out, leaves, d_out)
+        for grad_name, a, b in zip(("dx", "dw13", "dw2", "dweights"), got, want):
+            assert relative_rmse(a, b) < 1e-5, f"{name} {grad_name}: {relative_rmse(a, b):.1e}"
+
+
+def test_gradcheck_in_float64():
+    layer = make_layer(tokens=5, hidden=4, inter=3, experts=3, k=2, kind="dropped", dtype=torch.float64, seed=15)
+    leaves = tuple(t.clone().requires_grad_() for t in layer[:3]) + (layer[3].double().requires_grad_(),)
+    ids = layer[4]
+    for activation in reference.ACTIVATIONS:
+        assert torch.autograd.gradcheck(lambda *t: torch_kernels.fused_moe(*t, ids, activation), leaves)
+    offsets = torch.tensor([1, 1, 4], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda x, w: torch_kernels.grouped_mm(x, w, offsets), leaves[:1] + (
+        torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True),))
+
+
+def test_fp8_weights_are_inference_only():
+    x, w13, w2, weights, ids = make_layer(seed=16)
+    q13, s13 = quantize_fp8(w13)
+    q2, s2 = quantize_fp8(w2)
+    out = torch_kernels.fused_moe(x.requires_grad_(), q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(RuntimeError, match="float8 weights are inference-only"):
+        out.sum().backward()
+
+
+# ---- the op contract ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(tokens=6, hidden=16, inter=8, experts=4, k=2, kind="dropped", seed=17)
+    x, w13, w2, weights = (t.requires_grad_() for t in (x, w13, w2, weights))
+    run_opcheck(torch.ops.torch_kernels.fused_moe.default, (x, w13, w2, weights, ids, "silu", None, None, None, backend))
+    offsets = torch.tensor([2, 2, 5, 9], dtype=torch.int32)
+    xs = torch.randn(12, 16, requires_grad=True)
+    run_opcheck(torch.ops.torch_kernels.grouped_mm.default, (xs, w13.detach().transpose(1, 2).requires_grad_(),
+                                                              offsets, None, backend))
+    logits = torch.randn(6, 8, requires_grad=True)
+    run_opcheck(torch.ops.torch_kernels.router_topk.default, (logits, 2, "softmax", True, None, None, None, 1.0, backend))
+    token_of_row, row_of_slot, _ = reference.sort_by_expert(ids, 4)
+    run_opcheck(torch.ops.torch_kernels.moe_gather.default, (x, token_of_row, row_of_slot, backend))
+    run_opcheck(torch.ops.torch_kernels.moe_combine.default,
+                (torch.randn(12, 16, requires_grad=True), token_of_row, row_of_slot, weights, backend))
+
+
+class MoEBlock(torch.nn.Module):
+    """A Qwen3-MoE-style sparse block: router, top-k, the experts through the ops."""
+
+    def __init__(self, hidden=32, inter=16, experts=8, k=2, fused=True):
+        super().__init__()
+        gen = torch.Generator().manual_seed(18)
+        self.k, self.fused = k, fused
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.w13 = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5)
+
+    def forward(self, x):
+        weights, ids = torch_kernels.router_topk(self.gate(x), self.k)
+        if self.fused:
+            return torch_kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        return composition(x, self.w13, self.w2, weights, ids)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_moe", "composition"])
+def test_compile_fullgraph_moe_block(fused):
+    torch.manual_seed(19)
+    block = MoEBlock(fused=fused)
+    x = torch.randn(24, 32)
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = block(eager_x)
+    eager.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    compiled = compiled_fullgraph(block)(compiled_x)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), want in zip(block.named_parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_profiler_names_op_and_backend(backend):
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(seed=20)
+    names = profiled_names(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=backend))
+    assert "torch_kernels::fused_moe" in names and f"torch_kernels::fused_moe[{backend}]" in names
+
+
+def test_flop_counter_counts_the_ops():
+    x, w13, w2, weights, ids = make_layer(tokens=13, hidden=33, inter=20, experts=6, k=2, kind="dropped", seed=21)
+    routed = int((ids >= 0).sum())
+    assert counted_flops(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids)) == 6 * routed * 33 * 20
+    offsets = torch.tensor([3, 3, 9], dtype=torch.int32)
+    w = torch.randn(3, 33, 7)
+    assert counted_flops(lambda: torch_kernels.grouped_mm(torch.randn(12, 33), w, offsets)) == 2 * 9 * 33 * 7

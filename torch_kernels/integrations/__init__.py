@@ -1,0 +1,1 @@
+"""Drop-in integrations with other libraries; each imports its library only when used."""
