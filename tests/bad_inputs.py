@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import torch_kernels
+from harness import tiny_llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,28 +80,18 @@ def _unchanged(before: tuple, after: tuple) -> None:
             raise AssertionError(f"{name}: a rejected call wrote to the cache")
 
 
-def _attention(change) -> Callable[[str], object]:
+def _paged(op: str, change) -> Callable[[str], object]:
+    """A call of ``op`` (``ragged_paged_attention`` or ``reshape_and_cache``) on the good batch after
+    ``change``; a rejected call must leave the caches as they were."""
     def call(backend):
         kw = _paged_batch()
+        if op == "reshape_and_cache":
+            kw = {n: kw[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
+            kw.update(k_scale=torch.ones(2), v_scale=None)
         change(kw)
         before = [kw[n].clone() if isinstance(kw[n], torch.Tensor) else None for n in ("key_cache", "value_cache")]
         try:
-            return torch_kernels.ragged_paged_attention(**kw, implementation=backend)
-        finally:
-            if all(isinstance(b, torch.Tensor) for b in before):
-                _unchanged(before, (kw["key_cache"], kw["value_cache"]))
-    return call
-
-
-def _write(change) -> Callable[[str], object]:
-    def call(backend):
-        batch = _paged_batch()
-        kw = {n: batch[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
-        kw.update(k_scale=torch.ones(2), v_scale=None)
-        change(kw)
-        before = [kw[n].clone() if isinstance(kw[n], torch.Tensor) else None for n in ("key_cache", "value_cache")]
-        try:
-            return torch_kernels.reshape_and_cache(**kw, implementation=backend)
+            return getattr(torch_kernels, op)(**kw, implementation=backend)
         finally:
             if all(isinstance(b, torch.Tensor) for b in before):
                 _unchanged(before, (kw["key_cache"], kw["value_cache"]))
@@ -362,20 +353,11 @@ OOD = [
 
 # ---- serving ----
 
-def _tiny_llama():
-    import transformers
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
-                                      eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def _engine(*, generate=None, **kwargs) -> Callable[[str], object]:
     """``Engine(tiny llama, **kwargs)``, then ``generate(*generate)`` if given."""
     def call(backend):
         from torch_kernels.serving import Engine
-        engine = Engine(_tiny_llama(), **{"num_blocks": 8, "block_size": 4, **kwargs}, implementation=backend)
+        engine = Engine(tiny_llama(), **{"num_blocks": 8, "block_size": 4, **kwargs}, implementation=backend)
         if generate is not None:
             return engine.generate(*generate)
     return call
@@ -492,8 +474,9 @@ MOE = [  # (op, case, argument, error, change)
 def table(family: str) -> list[Row]:
     """The rows of ``family``: one of ``FAMILIES``."""
     if family == "paged_attention":
-        return ([Row(f"ragged_paged_attention: {c}", a, e, _attention(ch)) for c, a, e, ch in ATTENTION]
-                + [Row(f"reshape_and_cache: {c}", a, e, _write(ch)) for c, a, e, ch in WRITE])
+        return [Row(f"{op}: {c}", a, e, _paged(op, ch))
+                for op, rows in (("ragged_paged_attention", ATTENTION), ("reshape_and_cache", WRITE))
+                for c, a, e, ch in rows]
     if family == "linear_attention":
         return [Row(f"{op}: {c}", a, e, _linear(op, ch)) for c, ops, a, e, ch in LINEAR for op in ops]
     if family == "ood":

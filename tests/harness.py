@@ -4,8 +4,10 @@
   cannot run here is skipped with its reason, unless TORCH_KERNELS_REQUIRE_ALL_BACKENDS=1 (CI sets
   it), where that is a failure: CI must exercise every backend.
 - ``assert_close``: dtype-keyed relative tolerances against a float32/float64 truth.
-- ``run_opcheck``, ``compiled_fullgraph``, ``profiled_names``, ``counted_flops``: the op contract's
-  checks (opcheck, torch.compile with no graph break, profiler names, FLOP formulas).
+- ``run_opcheck``, ``compiled_fullgraph``, ``assert_compiled_matches_eager``, ``profiled_names``,
+  ``counted_flops``: the op contract's checks (opcheck, torch.compile with no graph break, profiler
+  names, FLOP formulas).
+- ``tiny_llama``: a small random model for the serving loop.
 - ``run_isolated``: code that changes process-wide state (torchax) runs in a process of its own.
 """
 
@@ -63,6 +65,33 @@ def run_opcheck(op, args, kwargs=None) -> None:
 def compiled_fullgraph(fn):
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+def assert_compiled_matches_eager(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """``module`` compiled with ``fullgraph=True`` gives eager's output and gradients (of x and of
+    every parameter) for the loss ``sum(out^2)``."""
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = module(eager_x)
+    eager.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    compiled = compiled_fullgraph(module)(compiled_x)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), want in zip(module.named_parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def tiny_llama():
+    """A one-layer random Llama (vocabulary 97, hidden 32, GQA 2:1) for serving-loop tests."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def profiled_names(fn) -> list[str]:

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_kernels
-from harness import backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend, run_opcheck
+from harness import (
+    assert_compiled_matches_eager, backend_params, counted_flops, profiled_names, require_backend, run_opcheck,
+)
 from torch_kernels import backends
 from torch_kernels.reference import linear_attention as reference
 
@@ -355,17 +357,7 @@ def test_compile_fullgraph_gated_deltanet_layer():
     torch.manual_seed(0)
     layer = GatedDeltaNet()
     x = torch.randn(2, 70, 64)
-    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    eager = layer(eager_x)
-    eager.square().sum().backward()
-    eager_grads = [p.grad.clone() for p in layer.parameters()]
-    layer.zero_grad()
-    compiled = compiled_fullgraph(layer)(compiled_x)
-    compiled.square().sum().backward()
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
-    for (name, p), want in zip(layer.named_parameters(), eager_grads):
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_compiled_matches_eager(layer, x)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -14,7 +14,7 @@ import torch
 from torch_kernels import models
 from torch_kernels.serving import Engine
 
-from harness import REQUIRE_ALL, backend_params, require_backend
+from harness import REQUIRE_ALL, backend_params, require_backend, tiny_llama
 
 OP = "ragged_paged_attention"
 QUESTIONS = [  # chat-templated prompts of 32 to 91 tokens
@@ -117,15 +117,6 @@ def test_other_llama_architectures_match_generate(architecture):
     assert engine.generate(prompts, 12) == [_generate(model, p, 12) for p in prompts]
 
 
-def _tiny_llama():
-    import transformers
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
-                                      eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("prompt, max_new_tokens, error, match", [
     ([5, 97], 3, ValueError, r"prompts\[1\]: expected token ids in \[0, 97\) .*got 97 at index 1"),
     ([5, -1], 3, ValueError, r"prompts\[1\]: expected token ids in \[0, 97\)"),
@@ -140,7 +131,7 @@ def _tiny_llama():
 def test_a_bad_request_is_rejected_and_the_engine_stays_usable(prompt, max_new_tokens, error, match):
     """A bad request fails before any request of the call is queued or takes a block; the next
     call on the same engine serves as if nothing had happened."""
-    model = _tiny_llama()
+    model = tiny_llama()
     engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=8, implementation="reference")
     with pytest.raises(error, match=match):
         engine.generate([[1, 2, 3], prompt], [3, max_new_tokens])
@@ -151,7 +142,7 @@ def test_a_bad_request_is_rejected_and_the_engine_stays_usable(prompt, max_new_t
 
 
 def test_bad_engine_arguments_name_them():
-    model = _tiny_llama()
+    model = tiny_llama()
     for name, value, error in [("block_size", 0, ValueError), ("block_size", -4, ValueError),
                                ("num_blocks", 0, ValueError), ("block_size", 2.5, TypeError),
                                ("max_seqs", True, TypeError)]:
@@ -168,7 +159,7 @@ def test_bad_engine_arguments_name_them():
 def test_a_failure_mid_step_releases_the_blocks(monkeypatch):
     """A step that raises (here the model, on its third call) aborts the sequences it ran, returns
     their blocks, and the engine then serves the next call normally."""
-    model = _tiny_llama()
+    model = tiny_llama()
     engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=6, max_seqs=2, implementation="reference")
     run = engine.runner.forward
     calls = iter(range(100))
