@@ -4,7 +4,7 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPTS = ["ood.py", "paged_attention.py", "linear_attention.py"]
+SCRIPTS = ["ood.py", "paged_attention.py", "linear_attention.py", "moe.py"]
 
 
 def main() -> int:

@@ -111,7 +111,8 @@ def grouped_mm_naive(x, w, offsets, out_dtype):
     acc = compute_dtype(x.dtype)
     out = torch.zeros(x.shape[0], w.shape[2], dtype=acc, device=x.device)
     for e, (start, end) in enumerate(_segments(offsets)):
-        out[start:end] = x[start:end].to(acc) @ w[e].to(acc)
+        if end > start:  # an idle expert's weights are not even converted
+            out[start:end] = x[start:end].to(acc) @ w[e].to(acc)
     return out.to(out_dtype)
 
 
@@ -137,10 +138,11 @@ def grouped_mm(x, w, offsets, out_dtype, w_transposed):
 
 def grouped_mm_weight_grad(x, dy, offsets, num_experts, out_dtype):
     acc = compute_dtype(x.dtype)
-    out = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=acc, device=x.device)
+    out = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
     for e, (start, end) in enumerate(_segments(offsets)):
-        out[e] = x[start:end].to(acc).T @ dy[start:end].to(acc)
-    return out.to(out_dtype)
+        if end > start:
+            out[e] = (x[start:end].to(acc).T @ dy[start:end].to(acc)).to(out_dtype)
+    return out
 
 
 # ---- the fused layer ----
@@ -191,11 +193,16 @@ def fused_moe_naive(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=No
 
 def fused_moe(x, w13, w2, topk_weights, token_of_row, row_of_slot, offsets, activation, w13_scale, w2_scale,
               block_shape):
-    """The reference backend's kernel: the unfused composition, vectorized."""
+    """The reference backend's kernel: the unfused composition, expert by expert over the experts
+    that have rows (their weights alone are dequantized or widened)."""
     acc = compute_dtype(x.dtype)
-    w13 = dequantize_weights(w13, w13_scale, block_shape)
-    w2 = dequantize_weights(w2, w2_scale, block_shape)
     rows = moe_gather(x, token_of_row)
-    h = activate(grouped_mm(rows, w13, offsets, acc, True), activation).to(x.dtype)
-    y = grouped_mm(h, w2, offsets, acc, True)
+    y = torch.zeros(rows.shape[0], x.shape[1], dtype=acc, device=x.device)
+    for e, (start, end) in enumerate(_segments(offsets)):
+        if end == start:
+            continue
+        w13_e, w2_e = (dequantize_weights(w[e:e + 1], None if s is None else s[e:e + 1], block_shape)[0].to(acc)
+                       for w, s in ((w13, w13_scale), (w2, w2_scale)))
+        h = activate(rows[start:end].to(acc) @ w13_e.T, activation).to(x.dtype)
+        y[start:end] = h.to(acc) @ w2_e.T
     return moe_combine(y, row_of_slot, topk_weights, x.dtype)
