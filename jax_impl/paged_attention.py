@@ -24,6 +24,13 @@ jitted step that threads the cache through).
 Every number matches ``torch_kernels.reference.paged_attention``: storing divides by the scale
 and rounds (int8 half to even then saturate; fp8 saturates to its largest finite value); logits,
 softmax and accumulation are float32, the dots in bfloat16 for bfloat16 queries.
+
+NaN and inf follow the reference's policy: entries a query does not see never reach its output;
+a NaN or inf in its query or in an entry it sees makes its row NaN; stores keep NaN (int8: 0).
+A grid step walks its kv tiles once with no per-tile check; a NaN or inf entry among them leaves
+its sums non-finite, and only then does it walk them again exactly, zeroing those entries and
+flagging, by a matmul of the visibility mask with the non-finite pattern, the rows that see one.
+Queries holding one are zeroed before the kernel and their rows set to NaN after it.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ def quantize(x, scale, dtype):
     y = x.astype(jnp.float32) / scale.astype(jnp.float32)[:, None]
     dtype = jnp.dtype(dtype)
     if dtype == jnp.int8:
+        y = jnp.where(jnp.isnan(y), 0.0, y)  # int8 has no NaN: 0, not whatever a device's cast gives
         y = jnp.clip(jnp.round(y), -128, 127)  # jnp.round is half to even
     elif dtype in QUANTIZED_DTYPES:  # the float8 ones
         largest = float(jnp.finfo(dtype).max)
@@ -197,8 +205,21 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     return _write_call(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, interpret)
 
 
+def _mask_non_finite(k, v, seen, bad_ref):
+    """The exact pass's NaN policy for one kv head's tile: ``(k, v)`` with NaN and inf zeroed (a
+    zero weight times NaN is NaN), and ``bad_ref`` raised for the rows that see one."""
+    finite = jnp.isfinite(k.astype(jnp.float32)) & jnp.isfinite(v.astype(jnp.float32))  # Mosaic's is f32 only
+    # per row and dimension, how many seen positions are non-finite there: a matmul keeps the key
+    # axis where the logits have it (no transpose of a per-position vector)
+    pattern = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+    hits = jnp.dot(seen.astype(jnp.float32), pattern, preferred_element_type=jnp.float32)
+    bad_ref[...] = jnp.maximum(bad_ref[...], jnp.max(hits, axis=1, keepdims=True))
+    return jnp.where(finite, k, jnp.zeros_like(k)), jnp.where(finite, v, jnp.zeros_like(v))
+
+
 def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_per_block, group, q_block,
-                      kv_pages, block_size, max_pages, sm_scale, sliding_window, soft_cap, dot_dtype):
+                      kv_pages, block_size, max_pages, sm_scale, sliding_window, soft_cap, dot_dtype,
+                      may_hold_non_finite):
     (item_seq_ref, item_q0_ref, item_count_ref, cu_ref, kv_lens_ref, block_table_ref, *refs) = refs
     if fused:
         write_block_ref, write_offset_ref, *refs = refs
@@ -208,7 +229,7 @@ def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_
     else:
         o_ref, *refs = refs
         k_cache_ref, v_cache_ref = k_in_ref, v_in_ref
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *refs = refs
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref, bad_ref, *refs = refs
 
     i, head_block = pl.program_id(0), pl.program_id(1)
     if fused:
@@ -253,19 +274,11 @@ def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_
 
         jax.lax.fori_loop(jnp.int32(0), jnp.int32(kv_pages), page_copies, 0)
 
-    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
-    l_ref[...] = jnp.zeros_like(l_ref)
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(tile_lo < tile_hi)
-    def _():
-        fetch(tile_lo, 0, "start")
-
     row_t = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tile), 0) & (q_block - 1)  # rows are g-major
     q_pos = first + row_t
     row_real = row_t < count
 
-    def body(tile, carry):
+    def body(tile, carry, exact):
         slot = jax.lax.rem(tile - tile_lo, jnp.int32(2))
         fetch(tile, slot, "wait")
 
@@ -278,16 +291,15 @@ def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_
         seen = (k_pos <= q_pos) & row_real
         if sliding_window is not None:
             seen &= k_pos > q_pos - sliding_window
-        # entries past kv_len (stale VMEM, unwritten slots) may hold NaN: zero them so 0 * NaN
-        # never reaches the accumulator
-        v_real = start + jax.lax.broadcasted_iota(jnp.int32, (kv_tile, 1), 0) < kv_len
         for j in range(heads_per_block):  # the G query heads of kv head h0 + j at once
             k = k_buf[slot, :, :, j, :].astype(dot_dtype).reshape(kv_tile, -1)
             v = v_buf[slot, :, :, j, :].astype(dot_dtype).reshape(kv_tile, -1)
-            v = jnp.where(v_real, v, jnp.zeros_like(v))
+            if exact:
+                k, v = _mask_non_finite(k, v, seen, bad_ref.at[j])
             q = q_ref[j].reshape(rows, -1).astype(dot_dtype)
             logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            logits = logits * (sm_scale * scales_ref[0, h0 + j])
+            raw_logits = logits * (sm_scale * scales_ref[0, h0 + j])
+            logits = raw_logits
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             logits = jnp.where(seen, logits, -jnp.inf)
@@ -297,16 +309,47 @@ def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
             weights = jnp.exp(logits - m_safe)
             correction = jnp.exp(m_prev - m_safe)
-            l_ref[j] = l_ref[j] * correction + jnp.sum(weights, axis=1, keepdims=True)
+            if not exact and may_hold_non_finite:  # a NaN or inf key's logit (before the cap) reaches l
+                weights_sum = jnp.sum(weights + raw_logits * 0.0, axis=1, keepdims=True)
+            else:
+                weights_sum = jnp.sum(weights, axis=1, keepdims=True)
+            l_ref[j] = l_ref[j] * correction + weights_sum
             acc_ref[j] = acc_ref[j] * correction + jnp.dot(
                 weights.astype(dot_dtype), v, preferred_element_type=jnp.float32)
             m_ref[j] = m_new
         return carry
 
-    jax.lax.fori_loop(tile_lo, tile_hi, body, 0)
+    def walk(exact):
+        """The online softmax over the step's kv tiles, from fresh sums."""
+        m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        @pl.when(tile_lo < tile_hi)
+        def _():
+            fetch(tile_lo, 0, "start")
+
+        jax.lax.fori_loop(tile_lo, tile_hi, functools.partial(body, exact=exact), 0)
+
+    # The NaN policy in two passes: the first checks nothing per tile; a NaN or inf entry in the
+    # step's tiles, seen or not, leaves every row's sums non-finite (a value's through P @ V, a
+    # key's through its logit added times 0 to l). Only then does the exact pass run.
+    bad_ref[...] = jnp.zeros_like(bad_ref)
+    walk(exact=False)
+    if may_hold_non_finite:
+        real = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (q_block - 1) < count
+        leaked = jnp.float32(0.0)
+        for j in range(heads_per_block):
+            probe = l_ref[j] * 0.0 + jnp.sum(acc_ref[j] * 0.0, axis=1, keepdims=True)
+            leaked = jnp.maximum(leaked, jnp.max(jnp.where(real & (probe != 0.0), 1.0, 0.0)))
+
+        @pl.when(leaked > 0.0)
+        def _():
+            walk(exact=True)
     for j in range(heads_per_block):
         l = l_ref[j]
         out = acc_ref[j] * (scales_ref[1, h0 + j] / jnp.where(l > 0.0, l, 1.0))  # rows that see nothing: 0
+        out = jnp.where(bad_ref[j] > 0.0, jnp.nan, out)
         o_ref[j] = out.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
 
@@ -370,6 +413,8 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     # TPUs multiply float16 poorly or not at all: float16 queries are computed in float32
     compute_dtype = jnp.float32 if query.dtype == jnp.float16 else query.dtype
     dot_dtype = jnp.bfloat16 if query.dtype == jnp.bfloat16 else jnp.float32
+    bad_query = ~jnp.all(jnp.isfinite(query), axis=-1, keepdims=True)  # [T, Hq, 1]: NaN rows, set after
+    query = jnp.where(bad_query, jnp.zeros_like(query), query)
     q = query.astype(compute_dtype).reshape(num_tokens, num_kv_heads, group, head_size)[gather]
     q = q.transpose(1, 2, 0, 3)  # [Hkv, G, num_items * q_block, D]
     scales = jnp.stack([_scales(k_scale, num_kv_heads), _scales(v_scale, num_kv_heads)])
@@ -389,6 +434,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         pltpu.VMEM((heads_per_block, group * q_block, 1), jnp.float32),
         pltpu.VMEM((heads_per_block, group * q_block, 1), jnp.float32),
         pltpu.VMEM((heads_per_block, group * q_block, head_size), jnp.float32),
+        pltpu.VMEM((heads_per_block, group * q_block, 1), jnp.float32),  # rows that saw NaN or inf
     ]
     aliases = {}
     if fused:
@@ -407,7 +453,8 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         _attention_kernel, fused=fused, num_tokens=num_tokens, num_blocks=num_blocks, num_kv_heads=num_kv_heads,
         heads_per_block=heads_per_block, group=group, q_block=q_block, kv_pages=kv_pages,
         block_size=block_size, max_pages=max(1, max_pages), sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), dot_dtype=dot_dtype)
+        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), dot_dtype=dot_dtype,
+        may_hold_non_finite=jnp.dtype(key_cache.dtype) != jnp.int8)
     results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -426,6 +473,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         interpret=interpret_params(interpret),
     )(*prefetch, *operands)
     out = results[0][:, :, token_row].transpose(2, 0, 1, 3).reshape(query.shape).astype(query.dtype)
+    out = jnp.where(bad_query, jnp.nan, out)
     if fused:
         return out, results[1], results[2]
     return out, key_cache, value_cache
@@ -454,18 +502,27 @@ def ragged_paged_attention_reference(query, key_cache, value_cache, cu_q_lens, k
     k_pos = jnp.arange(max_pages * block_size)
     used = k_pos[None, :] < kv[:, None]  # [S, max_kv]
     pages = jnp.where(used[:, ::block_size], block_table, 0)  # unused table entries may be anything
-    k = key_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_size).astype(jnp.float32) * k_scale[:, None]
-    v = value_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_size).astype(jnp.float32) * v_scale[:, None]
-    v = jnp.where(used[:, :, None, None], v, 0.0)
+    k = key_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_size).astype(jnp.float32)
+    v = value_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_size).astype(jnp.float32)
+    # the NaN policy: positions holding a NaN or inf count as zero in the sums (a zero weight
+    # times NaN is NaN), and the rows that see one (or whose query holds one) are NaN at the end
+    bad_kv = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))  # [S, max_kv, Hkv]
+    dropped = (bad_kv | ~used[:, :, None])[..., None]  # past kv_len: may hold anything
+    k = jnp.where(dropped, 0.0, k) * k_scale[:, None]
+    v = jnp.where(dropped, 0.0, v) * v_scale[:, None]
     q = query.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_size)
+    bad_q = ~jnp.all(jnp.isfinite(q), axis=-1)  # [T, Hkv, G]
+    q = jnp.where(bad_q[..., None], 0.0, q)
     logits = jnp.einsum("thgd,tkhd->thgk", q, k[seq], precision="highest") * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    seen = k_pos[None, :] <= q_pos[:, None]
+    seen = (k_pos[None, :] <= q_pos[:, None]) & used[seq]
     if sliding_window is not None:
         seen &= k_pos[None, :] > q_pos[:, None] - sliding_window
     weights = jax.nn.softmax(jnp.where(seen[:, None, None, :], logits, -jnp.inf), axis=-1)
     out = jnp.einsum("thgk,tkhd->thgd", weights, v[seq], precision="highest")
+    sees_bad = jnp.any(seen[:, :, None] & bad_kv[seq], axis=1)  # [T, Hkv]
+    out = jnp.where((bad_q | sees_bad[:, :, None])[..., None], jnp.nan, out)
     return out.reshape(query.shape).astype(query.dtype), key_cache, value_cache
 
 

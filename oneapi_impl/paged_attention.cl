@@ -190,6 +190,9 @@ __kernel void reshape_and_cache(__global const q_t *key, __global const q_t *val
 //   3. per row: new running max, rescale factor, probabilities, running sum
 //   4. each work-item owns output columns: acc = acc * rescale + p @ V
 // The k scale is folded into the staged queries and the v scale into the final output.
+// NaN and inf (the reference's policy): a NaN or inf is staged as 0 (a zero weight times NaN is
+// NaN) and marks its key position; a row that sees a marked position, or whose query holds one,
+// is written as NaN. Keys outside the tile's range are never loaded.
 //
 // Quotient-remainder pairs are written in unsigned arithmetic as q = x / y, r = x - q * y: the
 // signed form (or %) makes clang -O2 emit `freeze`, which llvm-spirv 14 cannot translate.
@@ -216,6 +219,7 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
     __local float row_max[ROWS], row_sum[ROWS], row_rescale[ROWS];
     __local long key_row[KT];
     __local int row_token[ROWS], row_head[ROWS];  // -1: a row past the tokens or heads
+    __local int key_bad[KT], row_bad[ROWS];  // a NaN or inf in the position's key or value / seen by the row
 
     const uint lid = get_local_id(0);
     const int head0 = get_group_id(0) * heads_per_group, kv_head = get_group_id(1);
@@ -245,13 +249,17 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
         row_head[r] = real ? (int)h : -1;
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
+        row_bad[r] = 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int r = 0; r < ROWS; ++r) {
         const int t = row_token[r];
         const long base = ((long)(tok0 + t) * num_q_heads + kv_head * group + head0 + row_head[r]) * HEAD_SIZE;
-        for (uint d = lid; d < HEAD_SIZE; d += WG)
-            qs[r][d] = t >= 0 ? LOAD(Q_KIND, query, base + d) * q_scale : 0.0f;
+        for (uint d = lid; d < HEAD_SIZE; d += WG) {
+            const float x = t >= 0 ? LOAD(Q_KIND, query, base + d) : 0.0f;
+            if (!isfinite(x)) atomic_or(&row_bad[r], 1);
+            qs[r][d] = isfinite(x) ? x * q_scale : 0.0f;
+        }
     }
     float acc[ROWS][COLS];
     for (int r = 0; r < ROWS; ++r)
@@ -262,17 +270,23 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
     const int end_key = pos0 + tokens;
     for (int j0 = first_key; j0 < end_key; j0 += KT) {
         const int n = min(KT, end_key - j0);
-        for (uint k = lid; k < (uint)n; k += WG) {  // only pages below kv_len: the rest may hold anything
-            const uint j = j0 + k, page = j / (uint)block_size, offset = j - page * (uint)block_size;
-            const long block_id = block_table[(long)seq * max_blocks + page];
-            key_row[k] = ((block_id * block_size + offset) * num_kv_heads + kv_head) * HEAD_SIZE;
+        for (uint k = lid; k < KT; k += WG) {
+            key_bad[k] = 0;
+            if (k < (uint)n) {  // only pages below kv_len: the rest may hold anything
+                const uint j = j0 + k, page = j / (uint)block_size, offset = j - page * (uint)block_size;
+                const long block_id = block_table[(long)seq * max_blocks + page];
+                key_row[k] = ((block_id * block_size + offset) * num_kv_heads + kv_head) * HEAD_SIZE;
+            }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int k = 0; k < KT; ++k) {
             const bool real = k < n;  // zeros past the tile's end, so that 0 * garbage is no NaN
             for (uint d = lid; d < HEAD_SIZE; d += WG) {
-                ks[k][d] = real ? LOAD(CACHE_KIND, key_cache, key_row[k] + d) : 0.0f;
-                vs[k][d] = real ? LOAD(CACHE_KIND, value_cache, key_row[k] + d) : 0.0f;
+                const float key = real ? LOAD(CACHE_KIND, key_cache, key_row[k] + d) : 0.0f;
+                const float value = real ? LOAD(CACHE_KIND, value_cache, key_row[k] + d) : 0.0f;
+                if (!isfinite(key) || !isfinite(value)) atomic_or(&key_bad[k], 1);
+                ks[k][d] = isfinite(key) ? key : 0.0f;
+                vs[k][d] = isfinite(value) ? value : 0.0f;
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -281,6 +295,7 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
             const int t = row_token[r], pos = pos0 + t, j = j0 + k;
             float logit = -INFINITY;
             if (t >= 0 && j < end_key && j <= pos && (sliding_window <= 0 || j > pos - sliding_window)) {
+                if (key_bad[k]) atomic_or(&row_bad[r], 1);
                 float dot = 0.0f;
                 for (int d = 0; d < HEAD_SIZE; ++d) dot = fma(qs[r][d], ks[k][d], dot);
                 logit = soft_cap > 0.0f ? soft_cap * tanh(dot / soft_cap) : dot;
@@ -330,7 +345,7 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
         for (int c = 0; c < COLS; ++c) {
             const uint d = lid + c * WG;
             // every real row sees at least its own position, so row_sum >= 1
-            if (d < HEAD_SIZE) out[base + d] = ENCODE(Q_KIND, acc[r][c] * o_scale / row_sum[r]);
+            if (d < HEAD_SIZE) out[base + d] = ENCODE(Q_KIND, row_bad[r] ? NAN : acc[r][c] * o_scale / row_sum[r]);
         }
     }
 }

@@ -45,7 +45,7 @@ def _local_bytes(head_size: int) -> int:
     """The __local arrays of the attention kernel, as paged_attention.cl sizes them."""
     keys = 64 if head_size <= 64 else 32 if head_size <= 128 else 16 if head_size <= 256 else 8  # KT
     floats = ROWS * head_size + keys * (head_size + 1) + keys * head_size + ROWS * keys + 3 * ROWS
-    return 4 * floats + 8 * keys + 2 * 4 * ROWS
+    return 4 * floats + 8 * keys + 3 * 4 * ROWS + 4 * keys
 
 
 def _macros(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> dict[str, int]:

@@ -2,8 +2,10 @@
 
 Every backend is held to ``ragged_paged_attention_naive`` (the readable definition) on random
 ragged batches drawn by hypothesis; the writes are held to ``reference.quantize`` bit for bit and
-must leave every other cache byte alone; the op contract (input checks, inference-only autograd,
-opcheck, torch.compile, profiler names, FLOP formula) is checked on top.
+must leave every other cache byte alone; every backend follows the NaN/inf policy (entries a query
+does not see never matter, a NaN or inf it sees makes exactly its rows NaN, writes keep NaN and
+saturate); the op contract (input checks, inference-only autograd, opcheck, torch.compile,
+profiler names, FLOP formula) is checked on top.
 
 Examples are kept small (few tokens, few pages): triton runs in its CPU interpreter and pallas in
 interpret mode, where a call costs about 0.1-1 s, and pallas compiles each new shape (about 4 s),
@@ -455,6 +457,289 @@ def test_attention_ignores_cache_slots_past_kv_len(backend, fused, dtype, cache_
     out = batch.attend(caches, implementation=backend)
     assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} non-finite outputs"
     assert_attention_close(out, want, dtype, what=backend)
+
+
+# ---- NaN and inf: what attention reads, and what writes store ----
+# The policy (README, the op docstrings): entries a query does not attend to are never read; a NaN
+# or inf in the query or in an attended key or value entry makes the row of each query head that
+# reads that kv head all NaN; writes keep NaN (int8: 0) and saturate fp8 and int8.
+
+NAN, INF = math.nan, math.inf
+
+
+def _sees(batch: Batch, s: int, p: int, j: int) -> bool:
+    """Whether the query at position ``p`` of sequence ``s`` attends to key position ``j``."""
+    window = batch.spec.sliding_window
+    return j < int(batch.kv_lens[s]) and j <= p and (window is None or j > p - window)
+
+
+def _new_token_rows(batch: Batch) -> dict[int, int]:
+    """slot -> the query token whose new key/value the call writes there."""
+    return {int(slot): t for t, slot in enumerate(batch.slot_mapping.tolist()) if slot >= 0}
+
+
+def _fill_slots(batch: Batch, slots, value: float):
+    """Copies of the caches (and of key, value) with every entry of ``slots`` set to ``value``;
+    in a fused call a new token's slot is written by the call, so its key and value get it too."""
+    caches = batch.caches()
+    for cache in caches:
+        cache.flatten(0, 1)[slots] = value
+    key, value_rows = batch.key.clone(), batch.value.clone()
+    if batch.spec.fused:
+        filled = set(slots.tolist())
+        rows = [t for slot, t in _new_token_rows(batch).items() if slot in filled]
+        key[rows] = value
+        value_rows[rows] = value
+    return caches, key, value_rows
+
+
+def _attend_with(batch: Batch, caches, key, value, backend: str, query=None) -> torch.Tensor:
+    kw = batch.inputs(caches=caches, query=query)
+    if batch.spec.fused:
+        kw.update(key=key, value=value)
+    return torch_kernels.ragged_paged_attention(**kw, implementation=backend)
+
+
+def _policy_nan_rows(batch: Batch, caches, query) -> torch.Tensor:
+    """[T, Hq]: the rows the NaN policy makes NaN, worked out position by position."""
+    rows = ~torch.isfinite(query.float()).all(dim=-1)
+    cu, bs = batch.cu_q_lens.tolist(), batch.spec.block_size
+    for s, kv_len in enumerate(batch.kv_lens.tolist()):
+        slots = [slot_of(batch.block_table, bs, s, j) for j in range(kv_len)]
+        bad = torch.zeros(kv_len, batch.spec.num_kv_heads, dtype=torch.bool)
+        for cache in caches:
+            bad |= ~torch.isfinite(cache.flatten(0, 1)[slots].float()).all(dim=-1)
+        for t in range(cu[s], cu[s + 1]):
+            p = _token_position(batch, t)[1]
+            seen = torch.tensor([_sees(batch, s, p, j) for j in range(kv_len)], dtype=torch.bool)
+            rows[t] |= bad[seen].any(dim=0).repeat_interleave(batch.spec.group)
+    return rows
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=specs(max_seqs=5, max_q=12, max_ctx=120, head_sizes=(64,)),
+       tile=st.sampled_from(((None, None), (1, 1), (300, 4), (5000, 7))), data=st.data())
+def test_reference_and_definition_follow_the_nan_policy(spec, tile, data):
+    """NaN and inf planted at random (in entries some query sees, in ones none sees, in the
+    query): the CPU default and the definition give NaN rows exactly where the policy says (whole
+    rows), and agree elsewhere."""
+    batch = make_batch(dataclasses.replace(spec, fused=False, padding=()))
+    caches, query = batch.caches(), batch.query.clone()
+    bs, (hkv, d) = batch.spec.block_size, batch.key_cache.shape[2:]
+    used = [(s, kv) for s, kv in enumerate(spec.kv_lens) if kv]
+    for _ in range(data.draw(st.integers(0, 4), label="planted entries")):
+        if used and data.draw(st.booleans()):
+            s, kv = data.draw(st.sampled_from(used))
+            slot = slot_of(batch.block_table, bs, s, data.draw(st.integers(0, kv - 1)))
+        else:
+            slot = data.draw(st.integers(0, caches[0].shape[0] * bs - 1))
+        cache = caches[data.draw(st.integers(0, 1))]
+        if cache.dtype != torch.int8:  # int8 has no NaN or inf
+            cache.flatten(0, 1)[slot, data.draw(st.integers(0, hkv - 1)), data.draw(st.integers(0, d - 1))] = \
+                data.draw(st.sampled_from((NAN, INF, -INF)))
+    if batch.num_tokens and data.draw(st.booleans()):
+        t = data.draw(st.integers(0, batch.num_tokens - 1))
+        query[t, data.draw(st.integers(0, query.shape[1] - 1)), 0] = data.draw(st.sampled_from((NAN, INF)))
+    elements, q_rows = tile
+    with mock.patch.object(reference, "_TILE_ELEMENTS", elements or reference._TILE_ELEMENTS), \
+            mock.patch.object(reference, "_MAX_Q_TILE", q_rows or reference._MAX_Q_TILE):
+        out = torch_kernels.ragged_paged_attention(**batch.inputs(caches=caches, query=query),
+                                                   implementation="reference")
+    want = reference.ragged_paged_attention_naive(**batch.inputs(caches=caches, query=query.float()))
+    nan_rows = _policy_nan_rows(batch, caches, query)
+    for name, result in (("reference", out), ("definition", want)):
+        assert torch.equal(result.isnan().all(dim=-1), nan_rows), f"{name}: NaN rows differ from the policy's"
+        assert torch.isfinite(result[~nan_rows]).all(), f"{name}: a non-finite value outside the NaN rows"
+    if (~nan_rows).any():
+        assert_attention_close(out[~nan_rows], want[~nan_rows], spec.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", ["first", "last"])
+@pytest.mark.parametrize("poison", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "window8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused"])
+def test_entries_a_query_does_not_see_never_matter(backend, target, poison, window, fused):
+    """A prompt, a decode and a prefill chunk: for each sequence's first (or last) query, every
+    cache entry it does not attend to (past its position, outside its window, past kv_len, other
+    sequences' pages, spare blocks; in a fused call the new keys and values of those positions
+    too) holds NaN (or inf): its output equals, bit for bit, the output with those entries zeroed."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(torch.float32, None, sliding_window=window, fused=fused, padding=()))
+    cu = batch.cu_q_lens.tolist()
+    rows, seen = [], set()
+    for s, kv_len in enumerate(batch.kv_lens.tolist()):
+        if cu[s + 1] == cu[s]:
+            continue
+        t = cu[s] if target == "first" else cu[s + 1] - 1
+        rows.append(t)
+        _, p = _token_position(batch, t)
+        seen.update(slot_of(batch.block_table, batch.spec.block_size, s, j) for j in range(kv_len)
+                    if _sees(batch, s, p, j))
+    hidden = torch.tensor(sorted(set(range(batch.key_cache.shape[0] * batch.spec.block_size)) - seen))
+    poisoned = _attend_with(batch, *_fill_slots(batch, hidden, poison), backend)
+    zeroed = _attend_with(batch, *_fill_slots(batch, hidden, 0.0), backend)
+    assert torch.isfinite(zeroed[rows]).all()
+    assert torch.equal(poisoned[rows], zeroed[rows]), \
+        f"rows {rows}: max difference {(poisoned[rows] - zeroed[rows]).abs().max().item()}"
+
+
+# (id, what is planted: "key" / "value" / "query", its value, (sequence, position) of the entry
+# (of the query token for "query"), cache dtype, window, soft cap, fused); the kv head is 1, the
+# query head 3 (it reads kv head 1). _fused_spec's chunk is sequence 3 at positions 32..36 (query
+# tokens 4..8), its decode sequence 1 at position 17, its prompt sequence 0 at 0..2.
+VISIBLE_POISON = [
+    ("key-nan-causal", "key", NAN, (3, 33), None, None, None, False),
+    ("value-nan-window", "value", NAN, (3, 28), None, 8, None, False),
+    ("key-minus-inf", "key", -INF, (3, 33), None, 8, None, False),  # some rows' logit is -inf: weight 0
+    ("key-inf-soft-cap", "key", INF, (3, 30), None, None, 5.0, False),  # the cap makes a logit finite
+    ("value-inf", "value", INF, (1, 12), None, 8, None, False),  # a decode
+    ("value-minus-inf-prompt", "value", -INF, (0, 1), None, None, None, False),
+    ("key-nan-fused", "key", NAN, (3, 34), None, 8, None, True),  # a new token: read from the input
+    ("value-inf-fused", "value", INF, (3, 33), None, None, None, True),
+    ("fp8-key-nan", "key", NAN, (3, 31), torch.float8_e5m2, None, None, False),
+    ("fp8-value-nan", "value", NAN, (1, 12), torch.float8_e4m3fn, 8, None, False),
+    ("query-nan", "query", NAN, (3, 34), None, 8, None, False),
+    ("query-inf", "query", INF, (3, 33), None, None, 5.0, True),
+]
+POISON_KV_HEAD, POISON_Q_HEAD, POISON_DIM = 1, 3, 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case, where, value, entry, cache_dtype, window, soft_cap, fused", VISIBLE_POISON,
+                         ids=[c[0] for c in VISIBLE_POISON])
+def test_a_non_finite_entry_poisons_exactly_the_rows_that_read_it(backend, case, where, value, entry, cache_dtype,
+                                                                   window, soft_cap, fused):
+    """One NaN or inf in one element of one visible entry: the rows of the queries that attend to
+    it, for the query heads of its kv head, are all NaN; every other output element is unchanged
+    (bit for bit)."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(torch.float32, cache_dtype, sliding_window=window, soft_cap=soft_cap,
+                                   fused=fused, padding=()))
+    clean = batch.attend(batch.caches(), implementation=backend)
+    s, j = entry
+    group = batch.spec.group
+    cu = batch.cu_q_lens.tolist()
+    affected = torch.zeros(batch.query.shape[:2], dtype=torch.bool)
+    caches, key, value_rows, query = batch.caches(), batch.key.clone(), batch.value.clone(), batch.query.clone()
+    if where == "query":
+        t = cu[s] + j - (int(batch.kv_lens[s]) - (cu[s + 1] - cu[s]))
+        query[t, POISON_Q_HEAD, POISON_DIM] = value
+        affected[t, POISON_Q_HEAD] = True
+    else:
+        slot = slot_of(batch.block_table, batch.spec.block_size, s, j)
+        new_row = _new_token_rows(batch).get(slot) if fused else None
+        if new_row is not None:  # the call writes this entry from its key / value input
+            (key if where == "key" else value_rows)[new_row, POISON_KV_HEAD, POISON_DIM] = value
+        else:
+            cache = caches[0 if where == "key" else 1]
+            cache.flatten(0, 1)[slot, POISON_KV_HEAD, POISON_DIM] = value
+        for t in range(cu[s], cu[s + 1]):
+            if _sees(batch, s, _token_position(batch, t)[1], j):
+                affected[t, POISON_KV_HEAD * group:(POISON_KV_HEAD + 1) * group] = True
+    assert affected.any() and not affected.all()
+    out = _attend_with(batch, caches, key, value_rows, backend, query=query)
+    assert out[affected].isnan().all(), f"{int((~out[affected].isnan()).sum())} elements of the affected rows not NaN"
+    assert torch.equal(out[~affected], clean[~affected]), "rows that do not read the entry changed"
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the policy stores for float32 ``x`` (already divided by its scale), as float32."""
+    if dtype == torch.int8:
+        return x.nan_to_num(0.0).round().clamp(-128, 127)
+    if dtype in FP8:
+        largest = torch.finfo(dtype).max
+        return torch.where(x.isnan(), x, x.clamp(-largest, largest)).to(dtype).float()
+    return x.to(dtype).float()  # float caches: the dtype's own conversion (overflow is inf)
+
+
+# float32 values after the scale: NaN, infinities, out of every cache dtype's range, ordinary
+STORE_PROBE = [NAN, -NAN, INF, -INF, 1e30, -1e30, 3e38, -3e38, 70000.0, -500.0, 200.0, 2.5, -1.5, 0.0, 1e-3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["reshape_and_cache", "fused"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, *QUANTIZED], ids=_dtype_id)
+def test_writes_store_nan_and_saturate(backend, how, cache_dtype):
+    """NaN stays NaN (int8: 0); +-inf and values past the dtype's range saturate to its largest
+    finite value in fp8 and int8 caches (float caches round as the dtype does: overflow is inf).
+    Keys in the cache's dtype (float caches) or float32 with a scale that pushes one head's
+    ordinary values out of range (quantized ones); in a fused call, without padding, triton writes
+    inside its attention launch."""
+    require_backend(backend)
+    quantized = cache_dtype in QUANTIZED
+    dtype = torch.float32 if quantized else cache_dtype
+    batch = make_batch(_fused_spec(dtype, cache_dtype, padding=(), fused=how == "fused"))
+    scale = torch.tensor([1.0, 2.0 ** -120]) if quantized else None
+    batch.k_scale = batch.v_scale = scale
+    num_tokens, hkv, d = batch.key.shape
+    probe = torch.tensor(STORE_PROBE)
+    gen = torch.Generator().manual_seed(41)
+    batch.key = probe[torch.randint(0, len(probe), (num_tokens, hkv, d), generator=gen)].to(dtype)
+    batch.value = probe[torch.randint(0, len(probe), (num_tokens, hkv, d), generator=gen)].to(dtype)
+    caches = batch.caches()
+    if how == "fused":
+        batch.attend(caches, implementation=backend)
+    else:
+        batch.write(caches, implementation=backend)
+    heads = batch.heads_scale("k")
+    slots = batch.slot_mapping
+    for name, cache, new in (("key_cache", caches[0], batch.key), ("value_cache", caches[1], batch.value)):
+        got = cache.flatten(0, 1)[slots].float()
+        want = _stored(new.float() / heads[:, None], cache_dtype)
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all(), (f"{name}: {int((~same).sum())} entries differ, e.g. from "
+                            f"{(new.float() / heads[:, None])[~same][:4].tolist()}: got {got[~same][:4].tolist()}, "
+                            f"want {want[~same][:4].tolist()}")
+        if cache_dtype == torch.int8:
+            assert not cache.flatten(0, 1)[slots][new.isnan()].any(), f"{name}: NaN not stored as 0"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", QUANTIZED, ids=_dtype_id)
+def test_write_kernels_store_nan_for_a_nan_scale(backend, cache_dtype):
+    """The op rejects a NaN scale, but a kernel called directly (its contract) gives x / NaN the
+    NaN rule: NaN in fp8, 0 in int8; never a saturated value."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(torch.float32, cache_dtype, padding=()))
+    caches = batch.caches()
+    k_scale = torch.tensor([1.0, NAN])
+    backends._kernel(WRITE_OP, backend)(batch.key, batch.value, *caches, batch.slot_mapping, k_scale, torch.ones(2))
+    written = caches[0].flatten(0, 1)[batch.slot_mapping][:, 1].float()
+    if cache_dtype == torch.int8:
+        assert (written == 0).all()
+    else:
+        assert written.isnan().all()
+
+
+TRITON_CONFIGS = [(8, 16, 4), (16, 32, 2), (8, 16, 1)]  # (block_q, block_n, num_splits)
+
+
+@pytest.mark.parametrize("block_q, block_n, num_splits", TRITON_CONFIGS, ids=str)
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "window8"])
+def test_triton_nan_policy_with_small_tiles_and_key_splits(block_q, block_n, num_splits, window):
+    """The triton kernel with many tiles and split key ranges (partials merged by the second
+    kernel): a NaN hidden on the chunk's diagonal, an inf value a decode sees, a NaN query
+    element. NaN rows exactly as the definition's, the rest close to it."""
+    require_backend("triton")
+    from triton_impl import paged_attention as kernels
+
+    batch = make_batch(_fused_spec(torch.float32, None, sliding_window=window, fused=False, padding=()))
+    caches, query = batch.caches(), batch.query.clone()
+    block_size = batch.spec.block_size
+    caches[0].flatten(0, 1)[slot_of(batch.block_table, block_size, 3, 36), 0, 2] = NAN  # the chunk's last position
+    caches[1].flatten(0, 1)[slot_of(batch.block_table, block_size, 1, 13), 1, 9] = INF  # the decode at 17 sees it
+    query[2, 1, 0] = NAN
+    want = reference.ragged_paged_attention_naive(**batch.inputs(caches=caches, query=query))
+    out = kernels.ragged_paged_attention(
+        query, *caches, batch.cu_q_lens, batch.kv_lens, batch.block_table, batch.sm_scale, window, None,
+        batch.heads_scale("k").contiguous(), batch.heads_scale("v").contiguous(), None, None, None,
+        config=kernels.Config(block_q=block_q, block_n=block_n, num_splits=num_splits))
+    nan_rows = want.isnan().all(dim=-1)
+    assert nan_rows.any() and not nan_rows.all()
+    assert torch.equal(out.isnan().all(dim=-1), nan_rows)
+    assert_attention_close(out[~nan_rows], want[~nan_rows], torch.float32)
 
 
 # ---- quantization ----

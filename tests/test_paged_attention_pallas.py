@@ -3,7 +3,8 @@
 Covers ragged batches (decode, chunked prefill, whole prompts, sequences with no queries),
 shuffled block tables with garbage past each sequence's pages, partial last pages holding NaN
 bytes, sliding windows, soft caps, GQA, int8 / fp8 caches, the fused write (equal to a write
-then attention), cache bytes outside the written slots, the TPU lowering, and torchax tensors.
+then attention), cache bytes outside the written slots, the NaN/inf policy of the kernel and of
+the jnp definition, the TPU lowering, and torchax tensors.
 """
 
 from __future__ import annotations
@@ -206,6 +207,63 @@ def test_reshape_and_cache_bitwise(cache_dtype):
     reference.reshape_and_cache(key, value, want_k, want_v, slots, scale, scale * 2)
     new_k, new_v = kernels.reshape_and_cache(*map(to_jax, (key, value, *caches, slots.int(), scale, scale * 2)))
     assert same_bytes(to_torch(new_k), want_k) and same_bytes(to_torch(new_v), want_v)
+
+
+def _plant_non_finite(batch):
+    """NaN and inf in a few entries sequences see (the prompt's, the chunk's) and in one query
+    element; the caches already hold NaN bytes past every kv_len."""
+    block_size = batch["key_cache"].shape[1]
+
+    def slot(s, position):
+        return int(batch["block_table"][s, position // block_size]), position % block_size
+
+    batch = dict(batch, key_cache=batch["key_cache"].clone(), value_cache=batch["value_cache"].clone(),
+                 query=batch["query"].clone())
+    batch["key_cache"][slot(4, 66) + (1, 3)] = float("nan")  # the chunk at 65..69
+    batch["value_cache"][slot(2, 3) + (0, 7)] = float("-inf")  # the prompt at 0..19
+    batch["key_cache"][slot(0, 30) + (1, 0)] = float("inf")  # the decode at 36
+    batch["query"][int(batch["cu_q_lens"][6]) + 1, 2, 5] = float("nan")
+    return batch
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e5m2])
+def test_nan_policy_of_kernel_and_jnp_definition(cache_dtype):
+    """Rows that see a NaN or inf (or whose query holds one) are NaN, whole, in the Pallas kernel
+    (several double-buffered tiles, heads split over grid steps) and in the jnp definition (the
+    reference on torchax tensors) as in the torch definition; every other row matches it."""
+    kernels, to_jax, to_torch = _jax()
+    batch = _plant_non_finite(make_batch(10, 2, 2, 64, 16, cache_dtype))
+    expected, _, _ = naive(batch, 0.125, 24, 10.0)
+    nan_rows = expected.isnan().all(dim=-1)
+    assert nan_rows.any() and not nan_rows.all() and not expected[~nan_rows].isnan().any()
+    out, _, _ = run_kernel(batch, 0.125, 24, 10.0, config=config(kv_pages=2, kv_heads_per_block=1))
+    names = ("query", "key_cache", "value_cache", "cu_q_lens", "kv_lens", "block_table")
+    jnp_out, _, _ = kernels.ragged_paged_attention_reference(*(to_jax(batch[n]) for n in names), 0.125, 24, 10.0,
+                                                             to_jax(batch["k_scale"]), to_jax(batch["v_scale"]))
+    for name, result in (("pallas", out), ("jnp definition", to_torch(jnp_out))):
+        assert torch.equal(result.isnan().all(dim=-1), nan_rows), name
+        assert_close(result[~nan_rows], expected[~nan_rows], torch.float32, what=name)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16])
+def test_jnp_write_stores_nan_and_saturates(cache_dtype):
+    """The jnp write (the reference on torchax tensors) stores as the torch reference: NaN kept
+    (int8: 0), +-inf and huge values saturated in fp8 and int8."""
+    kernels, to_jax, to_torch = _jax()
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 3e38, 1.5, -2.5, 0.0, 300.0])
+    dtype = torch.float16 if cache_dtype == torch.float16 else torch.float32
+    key = values.repeat(2, 2, 7)[:, :, :64].to(dtype)
+    value = -key
+    caches = [torch.zeros(2, 16, 2, 64, dtype=cache_dtype) for _ in range(2)]
+    slots = torch.tensor([3, 20])
+    scale = torch.tensor([1.0, 0.5])
+    new_k, new_v = kernels.reshape_and_cache_reference(*map(to_jax, (key, value, *caches, slots.int(), scale, scale)))
+    reference.reshape_and_cache(key, value, *caches, slots, scale, scale)
+    for got, want in zip((to_torch(new_k), to_torch(new_v)), caches):
+        same = (got.float() == want.float()) | (got.float().isnan() & want.float().isnan())
+        assert same.all(), f"got {got.float()[~same][:4]}, want {want.float()[~same][:4]}"
+    if cache_dtype == torch.int8:
+        assert (caches[0].flatten(0, 1)[slots][key.isnan()] == 0).all()
 
 
 def test_torch_ops_run_pallas_in_place():

@@ -8,12 +8,19 @@ range (flash-decoding): each split writes its partial output and log-sum-exp and
 merges them, so that a few long decode sequences still fill the GPU.
 
 Quantized caches are widened in registers; their per-kv-head scales are folded into the logit
-scale (keys) and the output (values), so no per-element multiply is needed. With ``key`` and
-``value`` given, the kernel reads the new tokens' keys from those inputs (rounded through the
-cache dtype, exactly as stored) and writes them to the cache itself, so attention and the write
-are one launch. That needs each new token's slot to be the one its position has in the block table
-and no other sequence to read a page being written; otherwise the write runs first as its own
-launch (Triton has no grid-wide barrier to order them inside one).
+scale (keys) and the output (values), so no per-element multiply is needed.
+
+NaN and inf (the policy of ``torch_kernels.reference.paged_attention``): a program's key range
+is walked once with no per-tile check; a NaN or inf entry in it, seen or not, leaves its sums
+non-finite, and only then is the range walked again exactly, those positions zeroed and the rows
+that see one written as NaN (see ``_attend_tiles``). Stores keep NaN (int8: 0) and saturate fp8
+and int8 explicitly.
+
+With ``key`` and ``value`` given, the kernel reads the new tokens' keys from those inputs
+(rounded through the cache dtype, exactly as stored) and writes them to the cache itself, so
+attention and the write are one launch. That needs each new token's slot to be the one its
+position has in the block table and no other sequence to read a page being written; otherwise the
+write runs first as its own launch (Triton has no grid-wide barrier to order them inside one).
 """
 
 from __future__ import annotations
@@ -57,12 +64,14 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
     decode = num_tokens <= 2 * num_seqs
     rows = 16 if decode else (64 if head_size > 128 else 128)
     block_q = max(1, rows // rows_per_token)
-    block_n = 32 if head_size > 128 else 64
+    block_n = 32 if head_size > 64 else 64  # 64 at head size 128 spilled 1-2 KB per thread (ptxas -v)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     wanted = -(-2 * sm_count // max(1, programs))
     num_splits = triton.next_power_of_2(max(1, min(wanted, 16, -(-max_kv // (4 * block_n)))))
+    # one stage past head size 128: two copies of float32 key and value tiles there exceed an A100
+    # block's shared memory (167,936 of 166,912 bytes at 256)
     return Config(block_q=block_q, block_n=block_n, num_splits=num_splits,
-                  num_warps=4 if rows * head_size <= 16 * 128 else 8)
+                  num_warps=4 if rows * head_size <= 16 * 128 else 8, num_stages=1 if head_size > 128 else 2)
 
 
 @triton.jit
@@ -80,13 +89,17 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
 def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
     """float32 ``x`` (already divided by its scale) rounded to the cache dtype, as stored."""
     if CACHE_KIND == 1:  # int8: round half to even, saturate
+        x = tl.where(x != x, 0.0, x)  # int8 has no NaN: 0 (a float -> int cast of NaN varies by device)
         x = tl.minimum(tl.maximum(x, -128.0), 127.0)
         x = (x + 12582912.0) - 12582912.0  # 1.5 * 2**23 rounds to an integer, half to even
-    elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value
+    elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value; NaN stays NaN (a plain min/max drops it)
         if cache_dtype == tl.float8e4nv:
-            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+            y = _round_to_fp8_grid(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), 3, -6)
         else:
-            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -57344.0), 57344.0), 2, -14)
+            y = _round_to_fp8_grid(tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL), 2, -14)
+        # NaN as all exponent and mantissa bits (the interpreter's cast makes NaN a finite code)
+        code = y.to(cache_dtype).to(tl.uint8, bitcast=True)
+        return tl.where(x != x, code | 0x7F, code).to(tl.uint8).to(cache_dtype, bitcast=True)
     return x.to(cache_dtype)
 
 
@@ -152,6 +165,120 @@ def _load_keys(cache_ptr, new_ptr, scale, slot, new_row, kv_ok, is_new, kv_head,
 
 
 @triton.jit
+def _is_finite(x):
+    return tl.abs(x) < float("inf")  # false for NaN too
+
+
+@triton.jit
+def _non_finite(entries, widened, CACHE_KIND: tl.constexpr):
+    """Which cache entries are NaN or inf: fp8 by their bits (the interpreter widens those codes
+    to finite numbers), the others by their widened values."""
+    if CACHE_KIND == 2:
+        bits = entries.to(tl.uint8, bitcast=True)
+        if entries.dtype == tl.float8e4nv:
+            return (bits & 0x7F) == 0x7F  # NaN (e4m3fn has no inf)
+        else:
+            return (bits & 0x7C) == 0x7C  # the top exponent: inf or NaN
+    else:
+        return ~_is_finite(widened)
+
+
+@triton.jit
+def _bad_positions(k_entries, v_entries, k, v, CACHE_KIND: tl.constexpr):
+    """1 for each key position whose key or value holds a NaN or inf, else 0."""
+    bad = _non_finite(k_entries, k, CACHE_KIND) | _non_finite(v_entries, v, CACHE_KIND)
+    return tl.max(tl.where(bad, 1, 0), axis=1)
+
+
+@triton.jit
+def _widen(entries, dtype, FIX_FP8_SPECIALS: tl.constexpr):
+    """Cache entries in the dot dtype. The interpreter widens fp8 NaN and inf codes to finite
+    numbers: with FIX_FP8_SPECIALS they become NaN, as a GPU's conversion keeps them non-finite."""
+    x = entries.to(dtype)
+    if FIX_FP8_SPECIALS:
+        x = tl.where(_non_finite(entries, x, 2), float("nan"), x)
+    return x
+
+
+@triton.jit
+def _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW: tl.constexpr):
+    seen = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+    if HAS_WINDOW:
+        seen &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    return seen
+
+
+@triton.jit
+def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
+                  key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
+                  k_scale, v_scale, logit_scale, soft_cap, sliding_window,
+                  ROWS: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr,
+                  FIX_FP8_SPECIALS: tl.constexpr, EXACT: tl.constexpr):
+    """Online softmax of the rows over key tiles ``[tile_lo, tile_hi)``: (row_max, row_sum, acc,
+    row_bad).
+
+    The NaN policy in two passes. The fast pass (EXACT False) checks nothing per tile: a NaN or
+    inf in the query or in any entry of the range, seen or not, reaches every row's sums and
+    stays there, a value's through P @ V (a zero weight times NaN is NaN), a query's or key's
+    through ``row_sum += sum(weights + logit * 0)`` (one FMA per logit; the logit before the soft
+    cap, which would make an inf finite). Only when the caller finds that does the exact pass
+    run, with the bad query rows zeroed and flagged: it reads the positions whose key or value
+    holds a NaN or inf as zeros and flags in ``row_bad`` the rows that see one."""
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DP], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < kv_len
+        page = tl.load(block_table_ptr + seq * block_table_stride + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
+        is_new = kv_pos >= context
+        new_row = q_begin + kv_pos - context
+        k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+                               HKV, D, FUSED, CACHE_KIND)
+        v_entries = _load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, kv_ok, is_new, kv_head, dims,
+                               d_ok, HKV, D, FUSED, CACHE_KIND)
+        k = _widen(k_entries, q.dtype, FIX_FP8_SPECIALS)
+        v = _widen(v_entries, q.dtype, FIX_FP8_SPECIALS)
+        seen = _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW)
+        if EXACT and CACHE_KIND != 1:  # int8 entries are always finite
+            bad = _bad_positions(k_entries, v_entries, k, v, CACHE_KIND) != 0
+            row_bad = row_bad | (tl.max(tl.where(seen & bad[None, :], 1, 0), axis=1) != 0)
+            # loaded again without those positions (zeros): a select on the loaded tiles would
+            # cost shared memory for the whole kernel
+            keep = kv_ok & ~bad
+            k = _widen(_load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, keep, is_new, kv_head, dims, d_ok,
+                                  HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
+            v = _widen(_load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, keep, is_new, kv_head, dims,
+                                  d_ok, HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
+        if DOT_F32:
+            logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+        else:
+            logits = tl.dot(q, tl.trans(k))
+        raw_logits = logits * logit_scale
+        logits = raw_logits
+        if HAS_SOFT_CAP:
+            logits = soft_cap * _tanh(logits / soft_cap)
+        logits = tl.where(seen, logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that see nothing yet
+        weights = tl.exp(logits - safe_max[:, None])
+        correction = tl.exp(row_max - safe_max)
+        if EXACT:
+            row_sum = row_sum * correction + tl.sum(weights, axis=1)
+        else:
+            row_sum = row_sum * correction + tl.sum(weights + raw_logits * 0.0, axis=1)
+        if DOT_F32:
+            acc = acc * correction[:, None] + tl.dot(weights, v, input_precision="tf32x3")
+        else:
+            acc = acc * correction[:, None] + tl.dot(weights.to(q.dtype), v)
+        row_max = new_max
+    return row_max, row_sum, acc, row_bad
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr,
     k_scale_ptr, v_scale_ptr, key_ptr, value_ptr, slot_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -159,7 +286,7 @@ def paged_attention_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr,
+    FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr, FIX_FP8_SPECIALS: tl.constexpr,
 ):
     """Attention of one (query block, kv head, key split); see the module docstring."""
     block = tl.program_id(0)
@@ -200,45 +327,28 @@ def paged_attention_kernel(
         k_scale = tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
         logit_scale = sm_scale * k_scale
-        row_max = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_Q * GP], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GP, DP], tl.float32)
-        for tile in range(tile_lo, tile_hi):
-            kv_pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_ok = kv_pos < kv_len
-            page = tl.load(block_table_ptr + seq * block_table_stride + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
-            slot = page.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
-            is_new = kv_pos >= context
-            new_row = q_begin + kv_pos - context
-            k = _load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
-                           HKV, D, FUSED, CACHE_KIND)
-            v = _load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
-                           HKV, D, FUSED, CACHE_KIND)
-            if DOT_F32:
-                logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3")
-            else:
-                logits = tl.dot(q, tl.trans(k.to(q.dtype)))
-            logits = logits * logit_scale
-            if HAS_SOFT_CAP:
-                logits = soft_cap * _tanh(logits / soft_cap)
-            seen = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-            if HAS_WINDOW:
-                seen &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-            logits = tl.where(seen, logits, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that see nothing yet
-            weights = tl.exp(logits - safe_max[:, None])
-            correction = tl.exp(row_max - safe_max)
-            row_sum = row_sum * correction + tl.sum(weights, axis=1)
-            if DOT_F32:
-                acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="tf32x3")
-            else:
-                acc = acc * correction[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype))
-            row_max = new_max
+        row_bad = tl.zeros([BLOCK_Q * GP], tl.int1)  # rows that end as NaN
+        row_max, row_sum, acc, row_bad = _attend_tiles(
+            q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
+            key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
+            k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D, BLOCK_SIZE, BLOCK_N,
+            HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, False)
+        # a NaN or inf in a real row's sums: the query or some tile holds one (rare), so redo exactly
+        leaked = row_ok & ((row_sum * 0.0 + tl.sum(acc * 0.0, axis=1)) != 0.0)
+        if tl.max(tl.where(leaked, 1, 0), axis=0) != 0:
+            # rows whose query holds a NaN or inf end as NaN; zeroed, they keep the sums finite
+            row_bad = tl.max(tl.where(_is_finite(q), 0, 1), axis=1) != 0
+            q = tl.where(row_bad[:, None], tl.zeros_like(q), q)
+            row_max, row_sum, acc, row_bad = _attend_tiles(
+                q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
+                key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
+                k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D, BLOCK_SIZE,
+                BLOCK_N, HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, True)
 
         out_rows = token.to(tl.int64)[:, None] * HQ + head[:, None]
         mask = row_ok[:, None] & d_ok[None, :]
         normalized = acc * v_scale / tl.maximum(row_sum, 1e-30)[:, None]
+        normalized = tl.where(row_bad[:, None], float("nan"), normalized)
         if NUM_SPLITS == 1:
             tl.store(out_ptr + out_rows * D + dims[None, :], normalized.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -367,6 +477,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_SOFT_CAP=soft_cap is not None,
         HAS_WINDOW=sliding_window is not None, FUSED=fused, CACHE_KIND=cache_kind,
         DOT_F32=_dot_in_float32(query.dtype, query.device.type == "cpu"),
+        FIX_FP8_SPECIALS=query.device.type == "cpu" and cache_kind == 2,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -397,6 +508,7 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
         "DP": triton.next_power_of_2(head_size), "BLOCK_SIZE": block_size, "BLOCK_Q": config.block_q,
         "BLOCK_N": config.block_n, "NUM_SPLITS": config.num_splits, "HAS_SOFT_CAP": True, "HAS_WINDOW": True,
         "FUSED": fused, "CACHE_KIND": _CACHE_KINDS[cache_dtype], "DOT_F32": _dot_in_float32(query_dtype, False),
+        "FIX_FP8_SPECIALS": False,
     }
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs, config.num_warps

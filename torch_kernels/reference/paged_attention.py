@@ -18,6 +18,23 @@ Sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``, which are its la
 ``q_len`` positions of ``kv_lens[s]``; a query at position ``p`` sees key positions ``j`` with
 ``j <= p`` and, given a window ``w``, ``j > p - w``.
 
+NaN and inf (every backend; ``ragged_paged_attention_naive`` states it in code):
+
+1. Entries a query does not attend to are never read: key and value entries past its position
+   (the causal diagonal inside a prefill chunk included), outside its window, past its
+   sequence's kv_len or on pages past its last one cannot change its output, whatever they
+   hold; it equals the output with those entries set to zero.
+2. If the query row of head ``h``, or any element of the key or value entry of kv head
+   ``h // G`` at a position the query attends to, is NaN or +-inf, the query's output row for
+   head ``h`` is NaN: all ``D`` elements, never +-inf or a finite number. No other row changes.
+   A new token written by the same call counts as the entry it is stored as (rule 3). Overflow
+   of finite numbers (a logit past the float32 range) is outside this rule.
+3. Writes store ``key / scale`` computed in float32 and rounded to the cache dtype: NaN stays NaN
+   in float16, bfloat16, float32 and fp8 caches and is stored as 0 in int8 ones (int8 has no
+   NaN); +-inf and values past the range saturate to the largest finite value in fp8 (+-448
+   e4m3fn, +-57344 e5m2) and int8 (127, -128) caches; float caches round as their dtype does
+   (overflow is +-inf). The same on every device (no float -> int cast of NaN is relied on).
+
 ``ragged_paged_attention_naive`` is the definition, written for reading (a loop over sequences).
 ``ragged_paged_attention`` is the reference backend's kernel and the CPU default: flash-style
 tiles over padded sequences, with no Python loop over tokens or pages.
@@ -39,7 +56,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """``x [..., Hkv, D] / scale [Hkv]`` rounded to cache dtype ``dtype``."""
     y = x.float() / scale[:, None]
     if dtype == torch.int8:
-        y = y.round().clamp(-128, 127)
+        # int8 has no NaN, and a float -> int cast of NaN differs by device: 0, explicitly
+        y = y.masked_fill(y.isnan(), 0.0).round().clamp(-128, 127)
     elif dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         largest = torch.finfo(dtype).max
         y = y.clamp(-largest, largest)
@@ -78,6 +96,11 @@ def _capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
     return logits if soft_cap is None else soft_cap * torch.tanh(logits / soft_cap)
 
 
+def _non_finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Which rows (last dimension) of ``x`` hold a NaN or an inf."""
+    return ~torch.isfinite(x).all(dim=-1)
+
+
 def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
                                  sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                                  v_scale=None, key=None, value=None, slot_mapping=None):
@@ -94,14 +117,23 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
         if start == end:
             continue
         pages = block_table[s, : -(-kv_len // block_size)].long()
-        k = dequantize(key_cache[pages].flatten(0, 1)[:kv_len], k_scale).repeat_interleave(group, dim=1)
-        v = dequantize(value_cache[pages].flatten(0, 1)[:kv_len], v_scale).repeat_interleave(group, dim=1)
-        q = query[start:end].float()
+        k = key_cache[pages].flatten(0, 1)[:kv_len].float()  # [kv_len, Hkv, D]
+        v = value_cache[pages].flatten(0, 1)[:kv_len].float()
+        q = query[start:end].float()  # [q_len, Hq, D]
+        # the NaN policy: non-finite entries count as zero in the sums (a zero weight times NaN
+        # would be NaN), and the rows that see one are NaN at the end
+        bad_kv = _non_finite_rows(k) | _non_finite_rows(v)  # [kv_len, Hkv]
+        bad_q = _non_finite_rows(q)  # [q_len, Hq]
+        k = dequantize(k.masked_fill(bad_kv[..., None], 0.0), k_scale).repeat_interleave(group, dim=1)
+        v = dequantize(v.masked_fill(bad_kv[..., None], 0.0), v_scale).repeat_interleave(group, dim=1)
+        q = q.masked_fill(bad_q[..., None], 0.0)
         logits = _capped(torch.einsum("qhd,khd->hqk", q, k) * sm_scale, soft_cap)
         q_pos = torch.arange(kv_len - (end - start), kv_len)[:, None]
-        seen = _visible(q_pos, torch.arange(kv_len)[None, :], sliding_window)
+        seen = _visible(q_pos, torch.arange(kv_len)[None, :], sliding_window)  # [q_len, kv_len]
         weights = logits.masked_fill(~seen, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", weights, v)
+        rows = torch.einsum("hqk,khd->qhd", weights, v)
+        sees_bad = (seen[:, None, :] & bad_kv.repeat_interleave(group, dim=1).T[None]).any(dim=-1)  # [q_len, Hq]
+        out[start:end] = rows.masked_fill((sees_bad | bad_q)[..., None], float("nan"))
     return out.to(query.dtype)
 
 
@@ -132,6 +164,15 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     return out
 
 
+def _may_hold_non_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """False only if every entry of ``k`` and ``v`` is finite. On CPU a sum tells (a NaN or inf
+    makes it non-finite; an overflow of finite ones only costs the masking); elsewhere always
+    True, which spares a device sync per tile."""
+    if k.device.type != "cpu":
+        return True
+    return not bool(torch.isfinite(k.sum() + v.sum()))
+
+
 def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cache, sm_scale, sliding_window,
                    soft_cap, k_scale, v_scale):
     """Online softmax over tiles of sequences padded to the longest query length.
@@ -141,7 +182,8 @@ def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cach
     over sequences, on strided views of the tile (a loop over kv heads, not tokens or pages:
     permuting the tile to head-major costs more than the matmuls). The scales multiply the
     logits and the output, not the tile. Tiles that no query of the batch can see (above the
-    diagonal, or outside every window) are skipped.
+    diagonal, or outside every window) are skipped. A tile whose sum is not finite (rare: NaN
+    garbage past kv_len, a poisoned entry) gets the NaN policy's masking; the others skip it.
     """
     t, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -160,6 +202,8 @@ def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cach
     real_row = rows < q_lens[:, None]
     q = query[token.clamp(max=t - 1)].float().view(num_seqs, max_q, num_kv_heads, group, head_size)
     q = q.permute(0, 2, 1, 3, 4).contiguous()
+    bad_q = _non_finite_rows(q)  # [S, Hkv, max_q, group]: rows that end as NaN
+    q.masked_fill_(bad_q[..., None], 0.0)
     q_pos = (kv - q_lens)[:, None] + rows  # [S, max_q]
     logit_scale = k_scale.float() * sm_scale  # [Hkv]
 
@@ -176,6 +220,7 @@ def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cach
         row_max = torch.full(rows_shape, float("-inf"), device=device)
         row_sum = torch.zeros(rows_shape, device=device)
         acc = torch.zeros(*rows_shape, head_size, device=device)
+        poisoned = bad_q[:, :, q0:q1].clone()  # rows that saw a non-finite entry (or query)
         # keys this query tile may see: up to its last position, from its first window start
         hi = int((pos.masked_fill(~real_row[:, q0:q1], -1).max(dim=1).values + 1).clamp(min=0).max())
         lo = 0 if sliding_window is None else max(0, int((pos[:, 0] - sliding_window + 1).min()))
@@ -188,9 +233,16 @@ def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cach
             tile_shape = (num_seqs, kv_tile, num_kv_heads, head_size)
             k = key_cache.index_select(0, ids.flatten()).view(tile_shape).float()  # a copy (faster than [ids])
             v = value_cache.index_select(0, ids.flatten()).view(tile_shape).float()
-            v.masked_fill_(~stored[:, :, None, None], 0.0)  # a zero weight times NaN is still NaN
             hidden = ~(_visible(pos[:, :, None], k_pos, sliding_window) & stored[:, None, :])[:, :, None]
+            bad = None
+            if _may_hold_non_finite(k, v):
+                bad = _non_finite_rows(k) | _non_finite_rows(v)  # [S, kv_tile, Hkv]
+                # zeroed: a zero weight times NaN would still be NaN; the rows that see one are flagged
+                k.masked_fill_(bad[..., None], 0.0)
+                v.masked_fill_(bad[..., None], 0.0)
             for h in range(num_kv_heads):
+                if bad is not None:
+                    poisoned[:, h] |= (~hidden & bad[:, None, None, :, h]).any(dim=-1)
                 logits = (qt[:, h] @ k[:, :, h].transpose(-1, -2)).view(num_seqs, q1 - q0, group, kv_tile)
                 logits = _capped(logits * logit_scale[h], soft_cap).masked_fill_(hidden, float("-inf"))
                 new_max = torch.maximum(row_max[:, h], logits.amax(dim=-1))
@@ -201,7 +253,8 @@ def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cach
                 pv = weights.view(num_seqs, -1, kv_tile) @ v[:, :, h]
                 acc[:, h] = acc[:, h] * correction[..., None] + pv.view(num_seqs, q1 - q0, group, head_size)
                 row_max[:, h] = new_max
-        out[:, :, q0:q1] = acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+        out[:, :, q0:q1] = (acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).masked_fill_(
+            poisoned[..., None], float("nan"))
     out *= v_scale.float().view(1, num_kv_heads, 1, 1, 1)
     # back to token-major rows, keeping only the real ones
     out = out.permute(0, 2, 1, 3, 4).reshape(num_seqs, max_q, num_q_heads, head_size)
