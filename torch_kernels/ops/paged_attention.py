@@ -362,9 +362,11 @@ def reshape_and_cache(
         key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of key's dtype
             or a quantized dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``).
         slot_mapping: int64 (or int32) ``[T]``; each slot at most once.
-        k_scale, v_scale: optional float32 scales, one (``[]`` or ``[1]``) or one per kv head
-            (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8 rounds half
-            to even and saturates, fp8 saturates). ``None`` means 1.
+        k_scale, v_scale: optional float32 scales, finite and > 0, one (``[]`` or ``[1]``) or one
+            per kv head (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8
+            rounds half to even and saturates, fp8 saturates). ``None`` means 1. NaN is stored
+            as NaN (as 0 in int8 caches); inf and out-of-range values saturate in fp8 and int8
+            caches; float caches round as their dtype does (overflow is inf).
         implementation: a backend name or ordered list (see ``torch_kernels.backends``).
     """
     _check_tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
@@ -409,8 +411,8 @@ def ragged_paged_attention(
         sm_scale: multiplies the logits (usually ``D ** -0.5``).
         sliding_window: if given, each query sees its last ``sliding_window`` positions.
         soft_cap: if given, logits become ``soft_cap * tanh(logits / soft_cap)`` (after ``sm_scale``).
-        k_scale, v_scale: float32 dequantization scales, one or one per kv head; a cache entry
-            means ``entry * scale``. ``None`` means 1.
+        k_scale, v_scale: float32 dequantization scales, finite and > 0, one or one per kv head;
+            a cache entry means ``entry * scale``. ``None`` means 1.
         key, value, slot_mapping: if given (``[T, Hkv, D]`` of query's dtype and int64 or int32 ``[T]``),
             the new tokens are first written as :func:`reshape_and_cache` does, in the same kernel
             where the backend allows it; the result equals that write followed by attention.
@@ -418,6 +420,11 @@ def ragged_paged_attention(
 
     Returns:
         ``[T, Hq, D]`` in query's dtype. Softmax and accumulation are float32 on every backend.
+
+    NaN and inf: cache entries a query does not attend to are never read (its output equals the
+    output with them zero); a NaN or inf in its query row of head ``h`` or in an attended key or
+    value entry of kv head ``h // G`` makes its output row for head ``h`` all NaN, and no other
+    row changes. The write stores NaN as :func:`reshape_and_cache` does.
 
     Inputs are checked (lengths, page ids, slots) before any kernel runs; this reads the small
     index tensors once on the host. Inference only: it has no backward.
