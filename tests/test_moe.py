@@ -302,6 +302,20 @@ def test_fused_moe_fp8_weights(backend, dtype, block_shape):
     assert_close(out, want.float(), dtype, what="fp8")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_token_stays_in_its_rows(backend):
+    """A NaN in one token's hidden state makes that token's output NaN and leaves every other
+    token's output as it was (tiles shared with it do not spread it)."""
+    require_backend(backend)
+    x, w13, w2, weights, ids = make_layer(tokens=9, hidden=24, inter=12, experts=3, k=2, kind="uniform", seed=22)
+    clean = torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=backend)
+    x[4, 7] = float("nan")
+    out = torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=backend)
+    assert out[4].isnan().all()
+    others = torch.arange(9) != 4
+    torch.testing.assert_close(out[others], clean[others], rtol=0, atol=0)
+
+
 def composition(x, w13, w2, weights, ids, activation="silu", implementation=None):
     x_sorted, offsets, handle = torch_kernels.moe_dispatch(x, ids, w13.shape[0], implementation=implementation)
     gate_up = torch_kernels.grouped_mm(x_sorted, w13.transpose(1, 2), offsets, out_dtype=torch.float32,
