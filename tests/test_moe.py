@@ -20,7 +20,6 @@ from harness import (
     run_opcheck,
 )
 from torch_kernels import backends
-from torch_kernels.ops import moe as ops
 from torch_kernels.reference import moe as reference
 
 BACKENDS = backend_params("fused_moe")

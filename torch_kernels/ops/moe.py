@@ -20,10 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
