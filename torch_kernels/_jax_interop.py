@@ -143,3 +143,62 @@ def pallas_recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, c
     grads = linear_attention.recurrent_backward(to_jax(do), None if dht is None else to_jax(dht), *arrays[:5],
                                                 scale, arrays[5], cu, use_qk_l2norm)
     return _linear_attention_grads(grads, g, beta, initial_state)
+
+
+# ---- mixture of experts ----
+
+def _moe_arrays(*tensors):
+    """JAX arrays of the MoE kernels' inputs (None stays None); int64 indices cross as int32
+    (JAX runs without 64-bit ints; row and token counts fit in 32 bits)."""
+    present = [t for t in tensors if t is not None]
+    _cpu_only(*present)
+    if any(t.dtype == torch.float64 for t in present):
+        raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
+    return tuple(None if t is None else to_jax(t.to(torch.int32) if t.dtype == torch.int64 else t) for t in tensors)
+
+
+def _jax_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pallas_router_topk(logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
+                       routed_scaling_factor):
+    from jax_impl import moe
+
+    logits, bias = _moe_arrays(logits, correction_bias)
+    weights, ids = moe.router_topk(logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, bias,
+                                   routed_scaling_factor)
+    return to_torch(weights), to_torch(ids)
+
+
+def pallas_moe_gather(x, token_of_row):
+    from jax_impl import moe
+
+    return to_torch(moe.moe_gather(*_moe_arrays(x, token_of_row)))
+
+
+def pallas_moe_combine(y, row_of_slot, weights, out_dtype):
+    from jax_impl import moe
+
+    return to_torch(moe.moe_combine(*_moe_arrays(y, row_of_slot, weights), _jax_dtype(out_dtype)))
+
+
+def pallas_grouped_mm(x, w, offsets, out_dtype, w_transposed):
+    from jax_impl import moe
+
+    return to_torch(moe.grouped_mm(*_moe_arrays(x, w, offsets), _jax_dtype(out_dtype), w_transposed))
+
+
+def pallas_grouped_mm_weight_grad(x, dy, offsets, num_experts, out_dtype):
+    from jax_impl import moe
+
+    return to_torch(moe.grouped_mm_weight_grad(*_moe_arrays(x, dy, offsets), num_experts, _jax_dtype(out_dtype)))
+
+
+def pallas_fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation, w13_scale, w2_scale,
+                     block_shape):
+    from jax_impl import moe
+
+    arrays = _moe_arrays(x, w13, w2, weights, token_of_row, row_of_slot, offsets, w13_scale, w2_scale)
+    return to_torch(moe.fused_moe(*arrays[:7], activation, *arrays[7:],
+                                  None if block_shape is None else tuple(block_shape)))
