@@ -1,10 +1,16 @@
 """Every kernel builds for its real device here, with no device: Triton for Hopper (sm_90) and
-Ampere (sm_80), Pallas lowered for TPU (which enforces the TPU block-shape rules that interpret
-mode does not), SYCL kernels as SPIR-V, the form an Intel GPU loads."""
+Ampere (sm_80), each kernel at its default config and held to the target's shared memory per block
+(a kernel over it compiles but fails to launch), Pallas lowered for TPU (which enforces the TPU
+block-shape rules that interpret mode does not), SYCL kernels as SPIR-V, the form an Intel GPU
+loads."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
+import multiprocessing
+import os
 
 import pytest
 import torch
@@ -12,22 +18,6 @@ import torch
 from harness import require_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("classes", [1, 150])
-def test_triton_ood_compiles_for_gpu(arch, dtype, classes):
-    require_backend("triton")
-    from triton_impl import compile_for
-    from triton_impl import ood
-
-    signature, constexprs, num_warps = ood.compile_targets(dtype, classes)
-    kernel = compile_for(ood.mahalanobis_min_kernel, signature, constexprs, arch, num_warps)
-    ptx = kernel.asm["ptx"]
-    assert f".target sm_{arch}" in ptx
-    assert "mma" in ptx  # the whitening GEMM runs on tensor cores
-    assert len(kernel.asm["cubin"]) > 1000
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -60,32 +50,6 @@ def test_sycl_ood_builds_spirv():
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 
 
-PAGED_CASES = [  # (query dtype, cache dtype, decode batch, fused write)
-    (torch.bfloat16, torch.bfloat16, True, False),
-    (torch.bfloat16, torch.bfloat16, False, True),
-    (torch.float16, torch.float8_e4m3fn, True, True),
-    (torch.bfloat16, torch.float8_e5m2, False, False),
-    (torch.float16, torch.int8, True, False),
-    (torch.float32, torch.float32, True, False),
-]
-
-
-# Triton has no float8_e4m3fn before sm_89; there the op passes such calls to the next backend.
-@pytest.mark.parametrize("arch, query_dtype, cache_dtype, decode, fused", [
-    (arch, *case) for arch in (90, 80) for case in PAGED_CASES if arch >= 89 or case[1] != torch.float8_e4m3fn])
-def test_triton_paged_attention_compiles_for_gpu(arch, query_dtype, cache_dtype, decode, fused):
-    require_backend("triton")
-    from triton_impl import compile_for
-    from triton_impl import paged_attention
-
-    signature, constexprs, num_warps = paged_attention.compile_targets(query_dtype, cache_dtype, decode=decode, fused=fused)
-    kernel = compile_for(paged_attention.paged_attention_kernel, signature, constexprs, arch, num_warps)
-    ptx = kernel.asm["ptx"]
-    assert f".target sm_{arch}" in ptx
-    assert "mma" in ptx  # QK^T and PV run on tensor cores
-    assert len(kernel.asm["cubin"]) > 1000
-
-
 def test_sycl_linear_attention_builds_spirv():
     require_backend("sycl")
     from oneapi_impl import linear_attention
@@ -96,18 +60,176 @@ def test_sycl_linear_attention_builds_spirv():
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 
 
-# float32 (tf32x3 dots) and bfloat16 for the delta rule, float16 for gated linear attention
-@pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("dtype, delta", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)])
-def test_triton_linear_attention_compiles_for_gpu(arch, dtype, delta):
-    require_backend("triton")
-    from triton_impl import compile_for
+# --- Triton: every kernel at its default config, compiled for sm_90 and sm_80 ---------------------
+
+# The most shared memory one block may use, in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin, the
+# opt-in limit Triton launches with): sm_90 (H100, H200) 227 KiB, sm_80 (A100) 163 KiB. A kernel
+# asking for more compiles, then fails to launch.
+SHARED_MEMORY_LIMITS = {90: 232_448, 80: 166_912}
+
+# CI builds every kernel at every size it serves, for a share of the dtypes, within about a minute
+# and a half: linear attention float32 and bfloat16 at K = V = 256 (the most blocks, the widest
+# recurrent state), float16 at 128, bfloat16 at 64 (the chunk kernels' tiles do not change with K,
+# V, and float16 and bfloat16 share them: measured, their shared memory is the same at every size
+# and for both), paged attention every case at head size 256 and a few at 64 and 128.
+# TORCH_KERNELS_COMPILE_ALL=1 builds every size for every dtype (about 400 builds, minutes).
+COMPILE_ALL = os.environ.get("TORCH_KERNELS_COMPILE_ALL") == "1"
+LINEAR_ATTENTION_SIZES = (64, 128, 256)
+HEAD_SIZES = (64, 128, 256)
+MAX_SPLITS = 16  # the most key-range splits paged attention's config takes: the merge's widest tile
+PAGED_CASES = [  # (query dtype, cache dtype, decode batch, fused write)
+    (torch.bfloat16, torch.bfloat16, True, False),
+    (torch.bfloat16, torch.bfloat16, False, True),
+    (torch.float16, torch.float8_e4m3fn, True, True),
+    (torch.bfloat16, torch.float8_e5m2, False, False),
+    (torch.float16, torch.int8, True, False),
+    (torch.float32, torch.float32, True, False),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One kernel to compile as a launch would: its arguments' types, constexprs and config."""
+
+    label: str
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int | None  # None: Triton's default, as launches that pass none
+    tensor_cores: bool  # whether its PTX must hold mma instructions
+
+    def key(self):
+        return (self.kernel, tuple(sorted(self.signature.items())), tuple(sorted(self.constexprs.items())),
+                self.num_warps, self.num_stages)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def linear_attention_builds(size: int, dtypes) -> list[Build]:
     from triton_impl import linear_attention
 
-    for name, kernel, signature, constexprs, num_warps, has_dots in linear_attention.compile_targets(dtype, delta):
-        compiled = compile_for(kernel, signature, constexprs, arch, num_warps)
-        ptx = compiled.asm["ptx"]
-        assert f".target sm_{arch}" in ptx, name
-        if has_dots:
-            assert "mma" in ptx, name  # the chunk matmuls run on tensor cores
-        assert len(compiled.asm["cubin"]) > 1000, name
+    return [Build(f"{name} {_name(dtype)} {'delta' if delta else 'gla'} K=V={size}", kernel, signature,
+                  constexprs, config.num_warps, config.num_stages, dots)
+            for dtype in dtypes for delta in (True, False)
+            for name, kernel, signature, constexprs, config, dots in linear_attention.compile_targets(
+                dtype, delta, size, size)]
+
+
+def paged_attention_builds(head_size: int, cases) -> list[Build]:
+    import triton
+
+    from triton_impl import paged_attention as pa
+
+    types = pa._TRITON_TYPES
+    builds = []
+    for query_dtype, cache_dtype, decode, fused in cases:
+        signature, constexprs, num_warps = pa.compile_targets(query_dtype, cache_dtype, head_size=head_size,
+                                                              decode=decode, fused=fused)
+        # the config compile_targets chose: its stages are not in what it returns
+        config = pa.default_config(64 if decode else 4096, 64, constexprs["G"], head_size, 8192, constexprs["HKV"],
+                                   sm_count=132)
+        label = (f"{_name(query_dtype)} q, {_name(cache_dtype)} cache, {'decode' if decode else 'prefill'}"
+                 f"{', fused' if fused else ''}, D={head_size}")
+        builds.append(Build(f"paged_attention {label}", pa.paged_attention_kernel, signature, constexprs, num_warps,
+                            config.num_stages, True))
+        dims = dict(D=head_size, DP=constexprs["DP"])
+        builds.append(Build(f"reshape_and_cache {label}", pa.reshape_and_cache_kernel, {
+            "key_ptr": signature["key_ptr"], "value_ptr": signature["value_ptr"],
+            "key_cache_ptr": signature["key_cache_ptr"], "value_cache_ptr": signature["value_cache_ptr"],
+            "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **dict.fromkeys(
+                ("HKV", "D", "HP", "DP", "CACHE_KIND"), "constexpr")},
+            dict(HKV=constexprs["HKV"], HP=triton.next_power_of_2(constexprs["HKV"]),
+                 CACHE_KIND=constexprs["CACHE_KIND"], **dims), 4, None, False))
+        builds.append(Build(f"merge_splits {_name(query_dtype)} out, {MAX_SPLITS} splits, D={head_size}",
+                            pa.merge_splits_kernel, {
+                                "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+                                "out_ptr": "*" + types[query_dtype], "num_rows": "i32",
+                                "NUM_SPLITS": "constexpr", "D": "constexpr", "DP": "constexpr"},
+                            dict(NUM_SPLITS=MAX_SPLITS, **dims), 4, None, False))
+    return builds
+
+
+def ood_builds(dtypes) -> list[Build]:
+    from triton_impl import ood
+
+    builds = []
+    for dtype in dtypes:
+        for classes in (1, 150):
+            signature, constexprs, num_warps = ood.compile_targets(dtype, classes)
+            builds.append(Build(f"mahalanobis_min {_name(dtype)} C={classes}", ood.mahalanobis_min_kernel, signature,
+                                constexprs, num_warps, None, True))
+    return builds
+
+
+def _families():
+    """(id, function returning the builds): the share CI builds, or everything under COMPILE_ALL."""
+    shares = {64: (torch.bfloat16,), 128: (torch.float16,), 256: (torch.float32, torch.bfloat16)}
+    cases = {f"linear_attention-K{size}": functools.partial(linear_attention_builds, size,
+                                                            DTYPES if COMPILE_ALL else shares[size])
+             for size in LINEAR_ATTENTION_SIZES}
+    cases["paged_attention-D256"] = lambda: paged_attention_builds(256, PAGED_CASES)
+    few = [PAGED_CASES[0], PAGED_CASES[1], PAGED_CASES[5]]  # 16-bit decode, prefill; float32 (most shared)
+    cases.update({f"paged_attention-D{size}": functools.partial(
+        paged_attention_builds, size, PAGED_CASES if COMPILE_ALL else few) for size in HEAD_SIZES if size != 256})
+    cases["ood"] = lambda: ood_builds(DTYPES)
+    return cases
+
+
+FAMILIES = _families()
+
+
+def _build(kernel_module: str, kernel_name: str, signature: dict, constexprs: dict, num_warps: int,
+           num_stages: int | None, arch: int):
+    """Compile one kernel (in a worker process): (PTX targets arch, PTX has mma, cubin bytes, usage)."""
+    import importlib
+
+    from triton_impl import compile_for, resource_usage
+
+    kernel = getattr(importlib.import_module(kernel_module), kernel_name)
+    compiled = compile_for(kernel, signature, constexprs, arch, num_warps, num_stages)
+    ptx = compiled.asm["ptx"]
+    return f".target sm_{arch}" in ptx, "mma" in ptx, len(compiled.asm["cubin"]), resource_usage(compiled)
+
+
+@pytest.fixture(scope="module")
+def build_pool():
+    """Worker processes for the builds: each is a few seconds of single-threaded compiling."""
+    require_backend("triton")
+    workers = min(os.cpu_count() or 1, 8)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEMORY_LIMITS, reverse=True))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_kernels_build_and_fit_the_gpu(family, arch, build_pool, record_property):
+    """Each build's PTX targets ``arch`` (with mma instructions where the kernel multiplies
+    tiles), its cubin exists, and the shared memory a block asks for (Triton's metadata) fits the
+    target. Registers and the stack bytes spilled registers take (read from the cubin) are
+    printed and recorded, not judged."""
+    limit = SHARED_MEMORY_LIMITS[arch]
+    builds = {}
+    for build in FAMILIES[family]():
+        if arch < 89 and any("fp8e4nv" in kind for kind in build.signature.values()):
+            continue  # Triton has no float8_e4m3fn before sm_89; the op passes such calls on
+        builds.setdefault(build.key(), build)
+    jobs = [build_pool.submit(_build, b.kernel.fn.__module__, b.kernel.fn.__name__, b.signature, b.constexprs,
+                              b.num_warps, b.num_stages, arch) for b in builds.values()]
+    rows, too_big = [], []
+    for build, job in zip(builds.values(), jobs):
+        targets_arch, has_mma, cubin_bytes, usage = job.result()
+        assert targets_arch, build.label
+        assert has_mma or not build.tensor_cores, f"{build.label}: no tensor-core instructions"
+        assert cubin_bytes > 1000, build.label
+        rows.append((build.label, usage["shared"], usage["registers"], usage["stack"]))
+        if usage["shared"] > limit:
+            too_big.append(f"{build.label}: {usage['shared']:,} bytes")
+    table = "\n".join([f"sm_{arch}, shared memory limit {limit:,} bytes",
+                       f"{'kernel':70s} {'shared':>8s} {'regs':>5s} {'spill stack':>11s}"]
+                      + [f"{label:70s} {shared:8d} {regs:5d} {stack:11d}" for label, shared, regs, stack in rows])
+    print(table)
+    record_property("resources", table)
+    assert not too_big, f"more shared memory than sm_{arch} gives a block ({limit:,} bytes):\n" + "\n".join(too_big)

@@ -1,6 +1,6 @@
 """The Triton linear-attention kernels (triton_impl.linear_attention), run by the Triton interpreter
-on CPU tensors, against the definition: ``recurrence_naive`` for outputs and final states, autograd
-through it for every gradient, compared by relative RMSE (RMS of the difference over RMS of the
+on CPU tensors, against the definition: ``recurrence_naive`` in float64 for outputs and final
+states, autograd through it for every gradient, compared by relative RMSE (RMS of the difference over RMS of the
 truth). The interpreter computes in float32 whatever the input dtype (its bfloat16 arithmetic is
 wrong, so the kernels widen every load there), so float32 is held to 1e-4, far inside the 5e-3
 (o, final state), 8e-3 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta) allowed; measured errors are ~1e-6.
@@ -53,13 +53,13 @@ def make_inputs(batch=1, length=75, heads=1, value_heads=1, k_dim=64, v_dim=64, 
 
 
 def definition(inputs, do, dht):
-    """(o, final state, {gradient name: tensor}) by the naive recurrence and autograd."""
+    """(o, final state, {gradient name: tensor}) by the naive recurrence in float64 and autograd."""
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    leaves = {n: inputs[n].detach().float().requires_grad_() for n in names if inputs[n] is not None}
+    leaves = {n: inputs[n].detach().double().requires_grad_() for n in names if inputs[n] is not None}
     args = {**inputs, **leaves}
     o, ht = recurrence_naive(args["q"], args["k"], args["v"], args["g"], args["beta"], inputs["scale"],
                              args["initial_state"], inputs["cu_seqlens"], inputs["use_qk_l2norm"])
-    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do.double(), dht.double()])
     return o, ht, {"d" + ("h0" if n == "initial_state" else n): g for n, g in zip(leaves, grads)}
 
 
@@ -127,6 +127,73 @@ def test_chunk_matches_definition(case):
 @pytest.mark.parametrize("case", RECURRENT_CASES)
 def test_recurrent_matches_definition(case):
     check_form("recurrent", make_inputs(**RECURRENT_CASES[case]))
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "gla"])
+def test_chunk_small_tiles(delta, monkeypatch):
+    """16-wide K blocks and 32-wide V blocks, so that every K and V loop (and V split) of the chunk
+    kernels runs several times with a ragged last block (K = 60, V = 100), as K, V = 256 do on a
+    GPU."""
+    import dataclasses
+
+    from triton_impl import linear_attention as kernels
+
+    default = kernels.default_config
+    monkeypatch.setattr(kernels, "default_config", lambda *args, **kwargs: dataclasses.replace(
+        default(*args, **kwargs), block_k=16, block_v=32))
+    spec = dict(CHUNK_CASES["delta-K60-V100-packed"], delta=delta, length=90, cu_seqlens=[0, 20, 20, 90])
+    check_form("chunk", make_inputs(**spec))
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "gla"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("spike", [-1e4, float("-inf")], ids=["g-1e4", "g-inf"])
+def test_strong_decay_across_chunks(spike, form, delta):
+    """Spikes on the first and last steps of sequences and chunks (T = 150 packed as 70 + 80, so
+    the second sequence's chunks straddle the first's), every seventh step besides: held to 1e-5
+    against the float64 recurrence, as the shared single-chunk test holds them."""
+    inputs = make_inputs(length=150, k_dim=32, v_dim=32, delta=delta, l2norm=False, cu_seqlens=[0, 70, 150], seed=9)
+    g = torch.full((1, 150, 1), -0.1)
+    g[:, 6::7] = spike
+    g[:, [0, 63, 64, 69, 70, 133, 134, 149]] = spike
+    inputs["g"] = g
+    if delta:
+        inputs["beta"] = torch.ones_like(g)
+    check_form(form, inputs, tolerance=1e-5)
+
+
+EMPTY_CASES = {  # what the reference returns: empty outputs, final states = initial states (or zeros)
+    "B0": dict(batch=0, length=5),
+    "T0": dict(batch=2, length=0),
+    "T0-no-state": dict(batch=2, length=0, initial_state=False),
+    "packed-all-empty": dict(length=0, cu_seqlens=[0, 0, 0]),
+}
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "gla"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("case", EMPTY_CASES)
+def test_empty_inputs(case, form, delta):
+    from triton_impl import linear_attention as kernels
+
+    inputs = make_inputs(k_dim=16, v_dim=16, delta=delta, **EMPTY_CASES[case])
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "use_qk_l2norm")]
+    o, ht = getattr(kernels, f"{form}_forward")(*args)
+    o_ref, ht_ref = recurrence_naive(*args)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+    assert torch.equal(ht, ht_ref)
+    do, dht = cotangents(inputs)
+    grads = dict(zip(GRADIENTS, getattr(kernels, f"{form}_backward")(do, dht, *args)))
+    for name in ("q", "k", "v", "g", "beta"):
+        grad = grads["d" + name]
+        if inputs[name] is None:
+            assert grad is None or grad.numel() == 0, name
+        else:
+            assert grad.shape == inputs[name].shape and grad.numel() == 0, name
+    if inputs["initial_state"] is None:
+        assert grads["dh0"] is None
+    else:
+        assert torch.equal(grads["dh0"], dht)  # nothing between the initial and the final state
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

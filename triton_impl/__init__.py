@@ -66,11 +66,35 @@ def for_device(kernel, device):
     return _InterpretedLauncher(kernel) if device.type == "cpu" else kernel
 
 
-def compile_for(kernel, signature: dict, constexprs: dict, arch: int = 90, num_warps: int = 4):
+def compile_for(kernel, signature: dict, constexprs: dict, arch: int = 90, num_warps: int = 4,
+                num_stages: int | None = None):
     """Compile ``kernel`` for CUDA compute capability ``arch`` (no GPU needed); returns the
-    compiled kernel, whose ``asm`` holds its ``ptx`` and ``cubin``."""
+    compiled kernel, whose ``asm`` holds its ``ptx`` and ``cubin``. ``num_stages`` as the launch
+    passes it (None: Triton's default)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def resource_usage(compiled) -> dict:
+    """What a kernel from :func:`compile_for` needs per launch: ``shared`` bytes per block (from
+    Triton's metadata), ``registers`` per thread and ``stack`` bytes per thread, where ptxas puts
+    spilled registers (from the cubin, read by the ``cuobjdump`` that ships with Triton)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name], check=True,
+                                capture_output=True, text=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return {"shared": compiled.metadata.shared, "registers": int(usage[1]), "stack": int(usage[2])}

@@ -3,45 +3,61 @@
 Layout: every launcher flattens ``[B, T, *]`` to token-major ``[B*T, *]`` and treats the batch rows
 as packed sequences, so one set of kernels serves both layouts. Around the kernels, in torch: the
 optional l2 normalization of q, k (and its backward), and the sums of ``dq``, ``dk`` over the value
-heads that share a query/key head (the kernels write them per value head). The math and its notation are in
-``torch_kernels.reference.linear_attention``: per chunk of ``C = 64`` steps, ``b`` is the cumulative
-log decay inside the chunk, ``D_ts = exp(b_t - b_s)`` (``s <= t``), ``S0`` the state at its start.
+heads that share a query/key head (the kernels write them per value head). The math and its notation
+are in ``torch_kernels.reference.linear_attention``: per chunk of ``C = 64`` steps, ``b_t = g_1 +
+... + g_t`` is the cumulative log decay inside the chunk, ``D_ts = exp(b_t - b_s)`` (``s <= t``),
+``S0`` the state at its start.
 
-Chunked forward (four launches; ``beta=None`` skips the WY step, ``W = V``; ``g=None`` the cumsum):
+Chunked forward (three launches; ``beta=None`` skips the WY step, ``W = V``):
 
-1. ``chunk_cumsum_kernel``: ``b`` per chunk and value head.
-2. ``wy_kernel``: ``T = (I + strict_lower(diag(beta) D * K K^T))^-1`` by forward substitution on
+1. ``wy_kernel``: ``T = (I + strict_lower(diag(beta) D * K K^T))^-1`` by forward substitution on
    its four 16x16 diagonal blocks (all four at once) and a block merge by four ``tl.dot``s; then
    ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K``, so that the effective values are
    ``W = U - Wk S0``.
-3. ``chunk_state_kernel``: one program per (sequence, value head, V block) walks the chunks with
-   the state in registers: stores ``S0`` of each chunk, ``W`` (over ``U``, in place) and the final
-   state.
-4. ``chunk_output_kernel``: ``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` per chunk, in parallel.
+2. ``chunk_state_kernel``: one program per (sequence, value head, V block) walks the chunks: stores
+   ``S0`` of each chunk to ``h``, ``W`` (over ``U``, in place) and the final state.
+3. ``chunk_output_kernel``: ``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` per chunk, in parallel.
 
-Chunked backward recomputes 1-3 from the inputs (``T`` kept this time), then:
+Chunked backward recomputes 1-2 from the inputs (``T`` kept this time), then:
 
-5. ``chunk_state_backward_kernel`` walks the chunks backwards with ``dS`` (the gradient of the
-   chunk's end state) in registers: ``dW = (K exp(b_C - b)) dS + scale (D * Q K^T)^T dO`` and
+4. ``chunk_state_backward_kernel`` walks the chunks backwards with ``dS`` (the gradient of the
+   chunk's end state): ``dW = (K exp(b_C - b)) dS + scale (D * Q K^T)^T dO`` and
    ``dS0 = exp(b_C) dS + scale (exp(b) Q)^T dO - Wk^T dW``; stores ``dS`` per chunk, ``dW``, ``dh0``.
-6. ``chunk_grad_kernel`` per chunk: ``dQ``, ``dK``, ``dV``, ``dbeta`` from the triangular solve's
-   adjoint (``dR = T^T dW`` is the gradient of the right-hand side ``diag(beta)(V - exp(b) K S0)``,
-   ``dA = -dR W^T``) and the output and state terms; ``dL/db`` term by term, and ``dg`` as its
-   reverse cumulative sum inside the chunk (``b`` is ``g``'s cumulative sum there).
+5. ``chunk_grad_pairs_kernel`` per chunk: the ``[C, C]`` gradients ``dP = scale (dO W^T) * D`` and,
+   for the delta rule, ``dA * D = -(dR W^T) * D`` from the triangular solve's adjoint (``dR = T^T
+   dW`` is the gradient of its right-hand side ``diag(beta)(V - exp(b) K S0)``), with ``dv =
+   diag(beta) dR`` and the ``V . dR`` part of ``dbeta``.
+6. ``chunk_grad_kernel`` per chunk and K block: ``dq``, ``dk``, and this block's parts of ``dbeta``
+   and of ``dL/db`` (summed over the blocks in torch); ``dg`` is the reverse cumulative sum of
+   ``dL/db`` inside each chunk (``reverse_cumsum_kernel``), as ``b`` is ``g``'s cumulative sum there.
+
+Tiles (``default_config``): no kernel holds a whole ``[C, K]`` or ``[K, V]`` tile, so shared memory
+and registers do not grow with K and V (up to ``MAX_K`` = 256). The chunk kernels loop over K and V
+in blocks; the two walks keep their state in ``h`` / ``dh`` (in L2) rather than in registers, each
+chunk reading it back in K blocks after a barrier and writing the next one.
+
+Strong decay: every ``exp`` takes a sum of gates of one sign, never a difference of cumulative
+sums: ``D_ts`` from ``g_{s+1} + ... + g_t`` summed directly, ``exp(b_t)`` from a prefix sum and
+``exp(b_C - b_t)`` from a suffix sum. ``b_t - b_s`` cancels in float32 once gates are large (g =
+-1e4 left outputs ~2e-3 off) and is ``-inf - -inf = NaN`` after g = -inf, a full state reset.
+``dL/db`` is taken term by term as pairs (a write at step s, a read at step t > s) that carry their
+decay, or reads of ``S0``; the pairs of a step with itself carry none and cancel exactly, so they
+are left out, and what remains adds no large terms that would cancel in float32.
 
 Recurrent forms (``recurrent_kernel``, one program per (sequence, value head, V block), the
-``[K, BV]`` state in registers). The backward stores no states: the gradient ``dS`` obeys a
-backward recurrence free of ``S`` (``dS_{t-1} = a_t (dS_t - k_t de_t^T) + scale q_{t-1} do_{t-1}^T``),
-so it replays the forward once for the errors ``e_t = v_t - S'_t^T k_t`` (delta rule only), walks
-back once (``recurrent_backward_kernel``: ``dv``, ``dbeta``, the write part ``dS_t u_t`` of ``dk``,
-``dh0``) and replays forward once more for what needs ``S`` (``dq = scale S_t do_t``, the read part
-``-S'_t de_t`` of ``dk``). For ``dg`` without products of states and their gradients: with ``B_t``
-the cumulative log decay of the sequence, the recurrence sees ``B`` only through ``exp(B) q``,
-``exp(B) k`` (a key reading the state), ``exp(-B) k`` (a key writing it) and ``exp(B_T)`` on the
-final state, so ``dL/dB_t = q.dq + k.(dk_read - dk_write)`` (plus ``<dht, S_T>`` at the last step)
-and ``dg`` is its reverse cumulative sum (``reverse_cumsum_kernel``). The walks leave out of each
-term the pair (this step's write, this step's read), which cancels exactly: what remains carries
-a decay, so strong decays add no large terms that would cancel in float32.
+``[K, BV]`` state in registers, multiplied by ``exp(g_t) <= 1`` at each step, so g = -inf zeroes it
+and nothing overflows). The backward stores no states: the gradient ``dS`` obeys a backward
+recurrence free of ``S`` (``dS_{t-1} = a_t (dS_t - k_t de_t^T) + scale q_{t-1} do_{t-1}^T``), so it
+replays the forward once for the errors ``e_t = v_t - S'_t^T k_t`` (delta rule only), walks back once
+(``recurrent_backward_kernel``: ``dv``, ``dbeta``, the write part ``dS_t u_t`` of ``dk``, ``dh0``) and
+replays forward once more for what needs ``S`` (``dq = scale S_t do_t``, the read part ``-S'_t de_t``
+of ``dk``). ``dg`` needs no product of a state and its gradient: the decay between a write at step s
+and a read at step r is ``exp(g_{s+1} + ... + g_r)``, so ``dL/dg_t`` sums the pairs with ``s < t <=
+r``. The walks give each step's read terms (``q.dq + k.dk_read``, and ``<dht, S_T>`` at the last
+step) minus its write terms (``k.dk_write``), each term a pair carrying its decay (a step's own
+write and read, which cancel exactly, left out); ``dg`` is the reverse cumulative sum of those
+(``reverse_cumsum_kernel``), in which the pairs on one side of t cancel. No exponential of a
+cumulative decay is ever formed.
 
 Precision: float32 state and accumulation. On a GPU float16/bfloat16 operands enter ``tl.dot`` in
 their dtype (float32 intermediates rounded to it), float32 ones as tf32x3; the triangular inverse is
@@ -60,24 +76,50 @@ from . import for_device
 
 CHUNK = 64
 SUB = 16  # the WY inverse's diagonal blocks (tl.dot's smallest tile)
-MAX_K = 256  # a [K, BV] state, [64, K] key tiles live in registers
+MAX_K = 256  # the recurrent kernels keep a [K, BV] state in registers
 EPS = 1e-6  # the l2 normalization's, as the reference
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tile sizes of a launch: the V block of the state walks and output tiles, warps."""
+    """One kernel's launch: ``block_v`` (a program's share of V in the state walks, the output and
+    the recurrent kernels; the step of the V loops elsewhere), ``block_k`` (the step of the K
+    loops), warps, and pipeline stages (each stage keeps one more copy of a loop's tiles in shared
+    memory)."""
 
     block_v: int = 64
+    block_k: int = 64
     num_warps: int = 4
+    num_stages: int = 1
 
 
-def default_config(k_dim: int, v_dim: int, recurrent: bool = False, interpreted: bool = False) -> Config:
-    """Heuristic: wider keys get more warps for the chunk tiles; the recurrent form takes narrow V
-    blocks on a GPU, for more programs (the interpreter, whose cost is per program step, wide ones)."""
-    widest = 64 if interpreted or not recurrent else 32
-    block_v = min(widest, max(16, triton.next_power_of_2(v_dim)))
-    return Config(block_v=block_v, num_warps=4 if recurrent or _padded(k_dim) <= 64 else 8)
+KERNELS = ("wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
+
+
+def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False) -> Config:
+    """Heuristic per kernel (``KERNELS``; "recurrent" covers the three recurrent launches, which
+    must split V alike). The chunk kernels loop over K and V in blocks and keep no whole ``[C, K]``
+    or ``[K, V]`` tile, so their shared memory does not grow with K, V (tests/test_device_compile.py
+    holds it to the A100's and H100's limits). What
+    limits the tiles is registers: on sm_80 a warp holds a dot's operands over the whole depth of
+    the product, twice over for float32 (tf32x3 splits each operand in two), and ptxas falls back
+    to spilling nearly everything once a kernel wants far more than 255 registers. So: 32-wide K
+    blocks and 8 warps, V blocks of 64 for 16-bit inputs and 32 for float32 (16 in the kernel
+    holding two ``[C, C]`` sums and ``T``), one pipeline stage where a loop reads back what it
+    stored or holds the most. The interpreter, whose cost is per program and step, takes 64-wide
+    tiles. The recurrent form takes narrow V blocks on a GPU, for more programs.
+    """
+    padded_v = max(16, triton.next_power_of_2(v_dim))
+    if kernel == "recurrent":
+        return Config(block_v=min(64 if interpreted else 32, padded_v), num_warps=4, num_stages=2)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    if interpreted:
+        return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
+    wide = dtype == torch.float32
+    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32}.get(kernel, 32 if wide else 64)
+    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad") else 2
+    return Config(block_v=min(block_v, padded_v), block_k=32, num_warps=8, num_stages=stages)
 
 
 @triton.jit
@@ -108,31 +150,35 @@ def _store_rows(ptr, x, rows, valid, head, HEADS: tl.constexpr, cols, col_mask, 
 
 
 @triton.jit
-def _gates(b_ptr, rows, valid, head, HEADS: tl.constexpr, HAS_G: tl.constexpr, N: tl.constexpr):
+def _gates(g_ptr, rows, valid, head, HEADS: tl.constexpr, HAS_G: tl.constexpr, N: tl.constexpr):
+    """``g`` of ``rows``, 0 where not ``valid`` (no decay past a sequence's end)."""
     if HAS_G:
-        return tl.load(b_ptr + rows.to(tl.int64) * HEADS + head, mask=valid, other=0.0).to(tl.float32)
+        return tl.load(g_ptr + rows.to(tl.int64) * HEADS + head, mask=valid, other=0.0).to(tl.float32)
     return tl.zeros([N], tl.float32)
 
 
 @triton.jit
-def _last_gate(b_ptr, t0, end, head, HEADS: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr):
-    """``b`` at the chunk's last step (the chunk's whole decay)."""
-    if HAS_G:
-        return tl.load(b_ptr + (tl.minimum(t0 + C, end) - 1).to(tl.int64) * HEADS + head)
-    return 0.0
+def _chunk_gates(g_ptr, rows, end, head, HEADS: tl.constexpr, HAS_G: tl.constexpr, C: tl.constexpr):
+    """A chunk's log decays, each summed directly over its own steps (module docstring,
+    Strong decay): ``(g, b, to_end)`` with ``b_t = g_1 + ... + g_t`` from the chunk's start and
+    ``to_end_t = g_{t+1} + ... + g_C`` to its end; ``tl.sum(g)`` is the whole chunk's."""
+    g = _gates(g_ptr, rows, rows < end, head, HEADS, HAS_G, C)
+    after = _gates(g_ptr, rows + 1, (rows + 1 < end) & (tl.arange(0, C) < C - 1), head, HEADS, HAS_G, C)
+    return g, tl.cumsum(g, axis=0), tl.cumsum(after, axis=0, reverse=True)
 
 
 @triton.jit
-def _decay(b, t_ok, s_ok, STRICT: tl.constexpr, N: tl.constexpr):
-    """``D_ts = exp(b_t - b_s)`` for ``s <= t`` (``s < t`` when STRICT), 0 elsewhere (exp never
-    sees the upper triangle, where it may overflow)."""
+def _decay(g, t_ok, s_ok, STRICT: tl.constexpr, N: tl.constexpr):
+    """``D_ts = exp(g_{s+1} + ... + g_t)`` for ``s <= t`` (``s < t`` when STRICT), 0 elsewhere: the
+    segment's gates summed directly, not as ``b_t - b_s`` (module docstring, Strong decay)."""
     idx = tl.arange(0, N)
+    segment = tl.cumsum(tl.where(idx[:, None] > idx[None, :], g[:, None], 0.0), axis=0)
     if STRICT:
         keep = idx[:, None] > idx[None, :]
     else:
         keep = idx[:, None] >= idx[None, :]
     keep = keep & t_ok[:, None] & s_ok[None, :]
-    return tl.where(keep, tl.exp(tl.where(keep, b[:, None] - b[None, :], 0.0)), 0.0)
+    return tl.where(keep, tl.exp(segment), 0.0)
 
 
 @triton.jit
@@ -141,19 +187,6 @@ def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
     t0 = tl.load(chunk_start_ptr + c)
     end = tl.load(cu_ptr + n + 1)
     return t0, end
-
-
-@triton.jit
-def chunk_cumsum_kernel(g_ptr, b_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
-                        HV: tl.constexpr, HVP: tl.constexpr, C: tl.constexpr):
-    """``b``: the cumulative sum of ``g`` inside chunk ``program_id(0)``, every value head."""
-    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
-    rows = t0 + tl.arange(0, C)
-    heads = tl.arange(0, HVP)
-    mask = (rows < end)[:, None] & (heads < HV)[None, :]
-    offs = rows.to(tl.int64)[:, None] * HV + heads[None, :]
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(b_ptr + offs, tl.cumsum(g, axis=0), mask=mask)
 
 
 @triton.jit
@@ -175,25 +208,27 @@ def _block_diagonal_inverse(a, NB: tl.constexpr, SB: tl.constexpr):
 
 @triton.jit
 def wy_kernel(
-    k_ptr, v_ptr, b_ptr, beta_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, STORE_T: tl.constexpr,
     LOW: tl.constexpr,
 ):
     """``T``, ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K`` of chunk ``program_id(0)``
-    and value head ``program_id(1)`` (module docstring, step 2)."""
+    and value head ``program_id(1)`` (module docstring, step 1)."""
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
     DT = k_ptr.dtype.element_ty
     rows = t0 + tl.arange(0, C)
     ok = rows < end
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
-    k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
+    kk = tl.zeros([C, C], tl.float32)
+    for k0 in range(0, K, BK):
+        dims = k0 + tl.arange(0, BK)
+        k = _rows(k_ptr, rows, ok, kh, H, dims, dims < K, K)
+        kk += _dot(k, tl.trans(k), LOW, DT)
     beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
-    b = _gates(b_ptr, rows, ok, hv, HV, HAS_G, C)
-    a = beta[:, None] * _decay(b, ok, ok, True, C) * _dot(k, tl.trans(k), LOW, DT)
+    g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+    a = beta[:, None] * _decay(g, ok, ok, True, C) * kk
     # I + A = Lb (I + M) with Lb its block diagonal and M = Lb^-1 (the blocks below it), strictly
     # block lower: with C / SB = 4 blocks M^4 = 0, so T = (I - M)(I + M^2) Lb^-1 exactly.
     lb_inv = _block_diagonal_inverse(a, C // SB, SB)
@@ -203,7 +238,11 @@ def wy_kernel(
     t_inv = _dot32(_dot32(eye - m, eye + _dot32(m, m)), lb_inv)
     if STORE_T:
         _store_rows(t_ptr, t_inv, rows, ok, hv, HV, steps, steps < C, C)
-    _store_rows(wk_ptr, _dot(t_inv, k * (beta * tl.exp(b))[:, None], LOW, DT), rows, ok, hv, HV, dims, k_ok, K)
+    for k0 in range(0, K, BK):
+        dims = k0 + tl.arange(0, BK)
+        k_ok = dims < K
+        k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
+        _store_rows(wk_ptr, _dot(t_inv, k * (beta * tl.exp(b))[:, None], LOW, DT), rows, ok, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
@@ -212,55 +251,80 @@ def wy_kernel(
 
 
 @triton.jit
+def _state_block(slab, block, cols, K: tl.constexpr, V: tl.constexpr):
+    """Rows ``block`` (of K), columns ``cols`` (of V) of a float32 ``[K, V]`` state at ``slab``."""
+    mask = (block < K)[:, None] & (cols < V)[None, :]
+    return tl.load(slab + block[:, None] * V + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_state_block(slab, x, block, cols, K: tl.constexpr, V: tl.constexpr):
+    tl.store(slab + block[:, None] * V + cols[None, :], x, mask=(block < K)[:, None] & (cols < V)[None, :])
+
+
+@triton.jit
 def chunk_state_kernel(
-    k_ptr, v_ptr, b_ptr, u_ptr, wk_ptr, h0_ptr, h_ptr, ht_ptr, cu_ptr, first_chunk_ptr,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    k_ptr, v_ptr, g_ptr, u_ptr, wk_ptr, h0_ptr, h_ptr, ht_ptr, cu_ptr, first_chunk_ptr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, DELTA: tl.constexpr,
     LOW: tl.constexpr,
 ):
     """The chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
-    ``program_id(2)``: each chunk's start state to ``h``, ``W = U - Wk S0`` over ``U`` (delta rule;
-    else ``W = V``), the final state to ``ht``."""
+    ``program_id(2)`` (module docstring, step 2): each chunk's start state to ``h``, ``W = U - Wk S0``
+    over ``U`` (delta rule; else ``W = V``), the final state to ``ht``."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
     DT = k_ptr.dtype.element_ty
     start = tl.load(cu_ptr + n)
     end = tl.load(cu_ptr + n + 1)
-    first = tl.load(first_chunk_ptr + n).to(tl.int64)
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
+    num_chunks = tl.cdiv(end - start, C)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     v_ok = cols < V
-    state_offs = dims[:, None] * V + cols[None, :]
-    state_ok = k_ok[:, None] & v_ok[None, :]
-    if HAS_H0:
-        state = tl.load(h0_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, mask=state_ok, other=0.0)
-    else:
-        state = tl.zeros([KP, BV], tl.float32)
-    for i in range(tl.cdiv(end - start, C)):
-        tl.store(h_ptr + ((first + i) * HV + hv) * K * V + state_offs, state, mask=state_ok)
+    slab = K * V  # one [K, V] state
+    final = ht_ptr + (n * HV + hv).to(tl.int64) * slab
+    state = h_ptr + (tl.load(first_chunk_ptr + n).to(tl.int64) * HV + hv) * slab  # this chunk's start state
+    if num_chunks == 0:
+        state = final
+    for k0 in range(0, K, BK):
+        block = k0 + tl.arange(0, BK)
+        if HAS_H0:
+            initial = _state_block(h0_ptr + (n * HV + hv).to(tl.int64) * slab, block, cols, K, V)
+        else:
+            initial = tl.zeros([BK, BV], tl.float32)
+        _store_state_block(state, initial, block, cols, K, V)
+    for i in range(num_chunks):
+        following = state + HV * slab  # the next chunk's start state, or the final one
+        if i == num_chunks - 1:
+            following = final
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
-        b = _gates(b_ptr, rows, ok, hv, HV, HAS_G, C)
-        b_last = _last_gate(b_ptr, t0, end, hv, HV, C, HAS_G)
+        g, _, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        tl.debug_barrier()  # the state, stored by every thread, is read back by others
         if DELTA:
             w = _rows(u_ptr, rows, ok, hv, HV, cols, v_ok, V)
-            w -= _dot(_rows(wk_ptr, rows, ok, hv, HV, dims, k_ok, K), state, LOW, DT)
+            for k0 in range(0, K, BK):
+                block = k0 + tl.arange(0, BK)
+                wk = _rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)
+                w -= _dot(wk, _state_block(state, block, cols, K, V), LOW, DT)
             _store_rows(u_ptr, w, rows, ok, hv, HV, cols, v_ok, V)
         else:
             w = _rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        k_decayed = k * tl.where(ok, tl.exp(b_last - b), 0.0)[:, None]
-        state = tl.exp(b_last) * state + _dot(tl.trans(k_decayed), w, LOW, DT)
-    tl.store(ht_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, state, mask=state_ok)
+        chunk_decay = tl.exp(tl.sum(g, axis=0))
+        end_decay = tl.where(ok, tl.exp(to_end), 0.0)
+        for k0 in range(0, K, BK):
+            block = k0 + tl.arange(0, BK)
+            k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * end_decay[:, None]
+            updated = chunk_decay * _state_block(state, block, cols, K, V) + _dot(tl.trans(k_decayed), w, LOW, DT)
+            _store_state_block(following, updated, block, cols, K, V)
+        state = following
 
 
 @triton.jit
 def chunk_output_kernel(
-    q_ptr, k_ptr, w_ptr, b_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    q_ptr, k_ptr, w_ptr, g_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, LOW: tl.constexpr,
 ):
     """``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` of chunk ``program_id(0)``, value head
@@ -272,107 +336,163 @@ def chunk_output_kernel(
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
     rows = t0 + tl.arange(0, C)
     ok = rows < end
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     v_ok = cols < V
-    q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-    k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
-    b = _gates(b_ptr, rows, ok, hv, HV, HAS_G, C)
-    state = tl.load(h_ptr + (c.to(tl.int64) * HV + hv) * K * V + dims[:, None] * V + cols[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    state_base = (c.to(tl.int64) * HV + hv) * K * V
+    qk = tl.zeros([C, C], tl.float32)
+    qs = tl.zeros([C, BV], tl.float32)
+    for k0 in range(0, K, BK):
+        dims = k0 + tl.arange(0, BK)
+        k_ok = dims < K
+        q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
+        qk += _dot(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), LOW, DT)
+        state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
+                        mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        qs += _dot(q, state, LOW, DT)
+    g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-    p = _dot(q, tl.trans(k), LOW, DT) * _decay(b, ok, ok, False, C)
-    o = scale * (tl.exp(b)[:, None] * _dot(q, state, LOW, DT) + _dot(p, w, LOW, DT))
+    o = scale * (tl.exp(b)[:, None] * qs + _dot(qk * _decay(g, ok, ok, False, C), w, LOW, DT))
     _store_rows(o_ptr, o, rows, ok, hv, HV, cols, v_ok, V)
 
 
 @triton.jit
 def chunk_state_backward_kernel(
-    q_ptr, k_ptr, wk_ptr, b_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    q_ptr, k_ptr, wk_ptr, g_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, DELTA: tl.constexpr,
     LOW: tl.constexpr,
 ):
     """The backward chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
-    ``program_id(2)`` (module docstring, step 5): ``dS`` of each chunk's end state to ``dh``, ``dW``
-    to ``dw``, the initial state's gradient to ``dh0``."""
+    ``program_id(2)`` (module docstring, step 4): ``dS`` of each chunk's end state to ``dh``, ``dW``
+    to ``dw``, the initial state's gradient to ``dh0``; ``dS`` lives in those, as the state in
+    :func:`chunk_state_kernel`."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
     DT = k_ptr.dtype.element_ty
     start = tl.load(cu_ptr + n)
     end = tl.load(cu_ptr + n + 1)
-    first = tl.load(first_chunk_ptr + n).to(tl.int64)
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
+    num_chunks = tl.cdiv(end - start, C)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     v_ok = cols < V
-    state_offs = dims[:, None] * V + cols[None, :]
-    state_ok = k_ok[:, None] & v_ok[None, :]
-    if HAS_DHT:
-        d_state = tl.load(dht_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, mask=state_ok, other=0.0)
-    else:
-        d_state = tl.zeros([KP, BV], tl.float32)
-    num_chunks = tl.cdiv(end - start, C)
+    slab = K * V
+    initial = dh0_ptr + (n * HV + hv).to(tl.int64) * slab
+    d_state = dh_ptr + ((tl.load(first_chunk_ptr + n).to(tl.int64) + num_chunks - 1) * HV + hv) * slab
+    if num_chunks == 0:
+        d_state = initial
+    for k0 in range(0, K, BK):
+        block = k0 + tl.arange(0, BK)
+        if HAS_DHT:
+            last = _state_block(dht_ptr + (n * HV + hv).to(tl.int64) * slab, block, cols, K, V)
+        else:
+            last = tl.zeros([BK, BV], tl.float32)
+        _store_state_block(d_state, last, block, cols, K, V)
     for j in range(num_chunks):
         i = num_chunks - 1 - j
-        tl.store(dh_ptr + ((first + i) * HV + hv) * K * V + state_offs, d_state, mask=state_ok)
+        preceding = d_state - HV * slab  # the gradient of this chunk's start state
+        if i == 0:
+            preceding = initial
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-        k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
+        g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        end_decay = tl.where(ok, tl.exp(to_end), 0.0)
+        tl.debug_barrier()  # dS, stored by every thread, is read back by others
+        qk = tl.zeros([C, C], tl.float32)
+        dw = tl.zeros([C, BV], tl.float32)
+        for k0 in range(0, K, BK):
+            block = k0 + tl.arange(0, BK)
+            k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
+            qk += _dot(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k), LOW, DT)
+            dw += _dot(k * end_decay[:, None], _state_block(d_state, block, cols, K, V), LOW, DT)
         do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        b = _gates(b_ptr, rows, ok, hv, HV, HAS_G, C)
-        b_last = _last_gate(b_ptr, t0, end, hv, HV, C, HAS_G)
-        p = _dot(q, tl.trans(k), LOW, DT) * _decay(b, ok, ok, False, C)
-        k_decayed = k * tl.where(ok, tl.exp(b_last - b), 0.0)[:, None]
-        dw = _dot(k_decayed, d_state, LOW, DT) + scale * _dot(tl.trans(p), do, LOW, DT)
+        dw += scale * _dot(tl.trans(qk * _decay(g, ok, ok, False, C)), do, LOW, DT)
         _store_rows(dw_ptr, dw, rows, ok, hv, HV, cols, v_ok, V)
-        q_decayed = q * tl.exp(b)[:, None]
-        d_state = tl.exp(b_last) * d_state + scale * _dot(tl.trans(q_decayed), do, LOW, DT)
+        chunk_decay = tl.exp(tl.sum(g, axis=0))
+        exp_b = tl.exp(b)
+        for k0 in range(0, K, BK):
+            block = k0 + tl.arange(0, BK)
+            q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * exp_b[:, None]
+            updated = chunk_decay * _state_block(d_state, block, cols, K, V)
+            updated += scale * _dot(tl.trans(q_decayed), do, LOW, DT)
+            if DELTA:
+                updated -= _dot(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw, LOW, DT)
+            _store_state_block(preceding, updated, block, cols, K, V)
+        d_state = preceding
+
+
+@triton.jit
+def chunk_grad_pairs_kernel(
+    v_ptr, w_ptr, g_ptr, beta_ptr, t_ptr, do_ptr, dw_ptr, dp_ptr, da_ptr, dv_ptr, dbeta_ptr,
+    chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
+    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr,
+    DELTA: tl.constexpr, LOW: tl.constexpr,
+):
+    """The ``[C, C]`` products with ``W`` of chunk ``program_id(0)``, value head ``program_id(1)``
+    (module docstring, step 5): ``dP = scale (dO W^T) * D`` (lower) to ``dp``; for the delta rule
+    ``dR = T^T dW`` (over ``dW``), ``dv = diag(beta) dR``, the ``V . dR`` rows of ``dbeta`` and
+    ``dA * D = -(dR W^T) * D`` (strictly lower) to ``da``."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    DT = v_ptr.dtype.element_ty
+    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    rows = t0 + tl.arange(0, C)
+    ok = rows < end
+    steps = tl.arange(0, C)
+    do_w = tl.zeros([C, C], tl.float32)  # dO W^T
+    if DELTA:
+        beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
+        t_inv_t = tl.trans(_rows(t_ptr, rows, ok, hv, HV, steps, steps < C, C))
+        dr_w = tl.zeros([C, C], tl.float32)  # dR W^T
+        dbeta = tl.zeros([C], tl.float32)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        v_ok = cols < V
+        w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
+        do_w += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(w), LOW, DT)
         if DELTA:
-            d_state -= _dot(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, dims, k_ok, K)), dw, LOW, DT)
-    tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, d_state, mask=state_ok)
+            dr = _dot(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V), LOW, DT)
+            _store_rows(dw_ptr, dr, rows, ok, hv, HV, cols, v_ok, V)
+            _store_rows(dv_ptr, beta[:, None] * dr, rows, ok, hv, HV, cols, v_ok, V)
+            dbeta += tl.sum(_rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V) * dr, axis=1)
+            dr_w += _dot(dr, tl.trans(w), LOW, DT)
+    g = _gates(g_ptr, rows, ok, hv, HV, HAS_G, C)
+    decay = _decay(g, ok, ok, False, C)
+    _store_rows(dp_ptr, scale * do_w * decay, rows, ok, hv, HV, steps, steps < C, C)
+    if DELTA:
+        da = -dr_w * tl.where(steps[:, None] > steps[None, :], decay, 0.0)
+        _store_rows(da_ptr, da, rows, ok, hv, HV, steps, steps < C, C)
+        tl.store(dbeta_ptr + rows.to(tl.int64) * HV + hv, dbeta, mask=ok)
 
 
 @triton.jit
 def chunk_grad_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, b_ptr, beta_ptr, t_ptr, h_ptr, dh_ptr, do_ptr, dw_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
+    dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, LOW: tl.constexpr,
 ):
-    """Per-value-head ``dq``, ``dk``, ``dv`` (delta rule), ``dbeta`` and ``dg`` of chunk
-    ``program_id(0)``, value head ``program_id(1)`` (module docstring, steps 6-7)."""
+    """``dq``, ``dk`` (per value head) of chunk ``program_id(0)``, value head ``program_id(1)``, K
+    block ``program_id(2)`` (module docstring, step 6), and this K block's parts
+    (``[K blocks, tokens, HV]``) of ``dbeta`` (delta rule) and of ``dL/db`` (``db``)."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
+    kb = tl.program_id(2)
     kh = hv // (HV // H)
     DT = k_ptr.dtype.element_ty
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
     rows = t0 + tl.arange(0, C)
     ok = rows < end
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
     steps = tl.arange(0, C)
-    q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-    k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
-    b = _gates(b_ptr, rows, ok, hv, HV, HAS_G, C)
-    b_last = _last_gate(b_ptr, t0, end, hv, HV, C, HAS_G)
-    exp_b = tl.where(ok, tl.exp(b), 0.0)
+    dims = kb * BK + tl.arange(0, BK)
+    k_ok = dims < K
     state_base = (c.to(tl.int64) * HV + hv) * K * V
-    do_s = tl.zeros([C, KP], tl.float32)  # dO S0^T
-    do_w = tl.zeros([C, C], tl.float32)  # dO W^T
-    w_ds = tl.zeros([C, KP], tl.float32)  # W dS^T
-    ds_s = 0.0  # <dS, S0>
+    part = (kb * num_tokens + rows.to(tl.int64)) * HV + hv  # this K block's part of a [K blocks, tokens, HV] sum
+    do_s = tl.zeros([C, BK], tl.float32)  # dO S0^T
+    w_ds = tl.zeros([C, BK], tl.float32)  # W dS^T
     if DELTA:
-        beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
-        t_inv_t = tl.trans(_rows(t_ptr, rows, ok, hv, HV, steps, steps < C, C))
-        dr_s = tl.zeros([C, KP], tl.float32)  # dR S0^T
-        dr_w = tl.zeros([C, C], tl.float32)  # dR W^T
-        dbeta = tl.zeros([C], tl.float32)
-        ks_dr = tl.zeros([C], tl.float32)  # rows of (K S0) . dR
+        dr_s = tl.zeros([C, BK], tl.float32)  # dR S0^T
+    ds_s = 0.0  # <dS, S0> over this K block
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
@@ -380,54 +500,52 @@ def chunk_grad_kernel(
         state_ok = k_ok[:, None] & v_ok[None, :]
         state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
         d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-        do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        do_s += _dot(do, tl.trans(state), LOW, DT)
-        do_w += _dot(do, tl.trans(w), LOW, DT)
-        w_ds += _dot(w, tl.trans(d_state), LOW, DT)
+        do_s += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state), LOW, DT)
+        w_ds += _dot(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state), LOW, DT)
         if HAS_G:
             ds_s += tl.sum(tl.sum(d_state * state, axis=1), axis=0)
         if DELTA:
-            dr = _dot(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V), LOW, DT)
-            _store_rows(dv_ptr, beta[:, None] * dr, rows, ok, hv, HV, cols, v_ok, V)
-            ks = _dot(k, state, LOW, DT)
-            dbeta += tl.sum((_rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V) - exp_b[:, None] * ks) * dr, axis=1)
-            ks_dr += tl.sum(ks * dr, axis=1)
-            dr_s += _dot(dr, tl.trans(state), LOW, DT)
-            dr_w += _dot(dr, tl.trans(w), LOW, DT)
-    dp = scale * do_w * _decay(b, ok, ok, False, C)
-    dq = scale * exp_b[:, None] * do_s + _dot(dp, k, LOW, DT)
-    end_decay = tl.where(ok, tl.exp(b_last - b), 0.0)
-    dk = _dot(tl.trans(dp), q, LOW, DT) + end_decay[:, None] * w_ds
+            dr_s += _dot(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state), LOW, DT)
+    g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+    exp_b = tl.where(ok, tl.exp(b), 0.0)
+    end_decay = tl.where(ok, tl.exp(to_end), 0.0)
+    q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
+    k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
+    # dP split into its diagonal and its strictly lower part: the products of that and of dA * D
+    # with Q and K give dq, dk and the pair terms of dL/db without any [C, C] product of Q and K
+    dp = _rows(dp_ptr, rows, ok, hv, HV, steps, steps < C, C)
+    dp_diag = tl.sum(tl.where(steps[:, None] == steps[None, :], dp, 0.0), axis=1)
+    dp = tl.where(steps[:, None] > steps[None, :], dp, 0.0)
+    dp_k = _dot(dp, k, LOW, DT)
+    dp_q = _dot(tl.trans(dp), q, LOW, DT)
+    dq = scale * exp_b[:, None] * do_s + dp_k + dp_diag[:, None] * k
+    dk = dp_q + dp_diag[:, None] * q + end_decay[:, None] * w_ds
+    # dL/db_t term by term: each is a pair (write s, read t > s) carrying its decay, or a read of
+    # S0, so strong decays leave no large terms that cancel (the diagonal pairs of P and of the end
+    # state's last row cancel exactly and are left out)
+    db = scale * exp_b * tl.sum(q * do_s, axis=1) + tl.sum(q * dp_k, axis=1) - tl.sum(k * dp_q, axis=1)
     if DELTA:
-        da = -dr_w * _decay(b, ok, ok, True, C)  # dA * D (dA is strictly lower: so is D here)
-        ga = da * beta[:, None]
-        kk = _dot(k, tl.trans(k), LOW, DT)
-        tl.store(dbeta_ptr + rows.to(tl.int64) * HV + hv, dbeta + tl.sum(da * kk, axis=1), mask=ok)
-        dk += -(beta * exp_b)[:, None] * dr_s + _dot(ga, k, LOW, DT) + _dot(tl.trans(ga), k, LOW, DT)
+        beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
+        da = _rows(da_ptr, rows, ok, hv, HV, steps, steps < C, C)
+        da_k = _dot(da, k, LOW, DT)
+        da_bk = _dot(tl.trans(da), k * beta[:, None], LOW, DT)  # (diag(beta) dA * D)^T K
+        dk += -(beta * exp_b)[:, None] * dr_s + beta[:, None] * da_k + da_bk
+        dbeta = tl.sum(k * da_k, axis=1) - exp_b * tl.sum(k * dr_s, axis=1)
+        tl.store(dbeta_ptr + part, dbeta, mask=ok)
+        db += beta * dbeta - tl.sum(k * da_bk, axis=1)
     _store_rows(dq_ptr, dq, rows, ok, hv, HV, dims, k_ok, K)
     _store_rows(dk_ptr, dk, rows, ok, hv, HV, dims, k_ok, K)
     if HAS_G:
-        # dL/db_t term by term: each is a pair (write s, read t > s) carrying its decay, or a read
-        # of S0, so strong decays leave no large terms that cancel (the diagonal pairs of P and of
-        # the end state's last row cancel exactly and are left out)
-        pairs = tl.where(steps[:, None] > steps[None, :], dp, 0.0) * _dot(q, tl.trans(k), LOW, DT)
-        if DELTA:
-            pairs += ga * kk
-        db = scale * exp_b * tl.sum(q * do_s, axis=1) + tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)
-        if DELTA:
-            db -= beta * exp_b * ks_dr
         last = tl.minimum(C, end - t0) - 1
         written = tl.where(steps < last, end_decay * tl.sum(k * w_ds, axis=1), 0.0)
-        db += tl.where(steps == last, tl.sum(written, axis=0) + tl.exp(b_last) * ds_s, 0.0) - written
-        # b is the cumulative sum of g within the chunk: dg is the reverse cumulative sum of db
-        dg = tl.sum(db, axis=0) - tl.cumsum(db, axis=0) + db
-        tl.store(dg_ptr + rows.to(tl.int64) * HV + hv, dg, mask=ok)
+        db += tl.where(steps == last, tl.sum(written, axis=0) + tl.exp(tl.sum(g, axis=0)) * ds_s, 0.0) - written
+        tl.store(db_ptr + part, db, mask=ok)
 
 
 @triton.jit
-def reverse_cumsum_kernel(x_ptr, y_ptr, cu_ptr, HV: tl.constexpr, C: tl.constexpr):
-    """``y_t = sum_{s >= t} x_s`` within sequence ``program_id(0)``, value head ``program_id(1)``."""
+def reverse_cumsum_kernel(x_ptr, y_ptr, cu_ptr, HV: tl.constexpr, C: tl.constexpr, WITHIN_CHUNKS: tl.constexpr):
+    """``y_t = sum_{s >= t} x_s`` within sequence ``program_id(0)``, value head ``program_id(1)``
+    (within each ``C``-step chunk of it when WITHIN_CHUNKS)."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(cu_ptr + n)
@@ -439,9 +557,9 @@ def reverse_cumsum_kernel(x_ptr, y_ptr, cu_ptr, HV: tl.constexpr, C: tl.constexp
         ok = rows < end
         offs = rows.to(tl.int64) * HV + hv
         x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-        total = tl.sum(x, axis=0)
-        tl.store(y_ptr + offs, carry + total - tl.cumsum(x, axis=0) + x, mask=ok)
-        carry += total
+        tl.store(y_ptr + offs, carry + tl.cumsum(x, axis=0, reverse=True), mask=ok)
+        if not WITHIN_CHUNKS:
+            carry += tl.sum(x, axis=0)
 
 
 @triton.jit
@@ -599,13 +717,28 @@ class _Problem:
         """(tokens, H, HV, K, V)."""
         return self.q.shape[0], self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2]
 
-    def constexprs(self, config: Config) -> dict:
-        _, heads, value_heads, k_dim, v_dim = self.shape
-        return dict(H=heads, HV=value_heads, K=k_dim, V=v_dim, KP=_padded(k_dim), BV=config.block_v)
-
     @property
     def low(self) -> bool:
         return _low_precision(self.q.dtype, self.q.device.type == "cpu")
+
+    def config(self, kernel: str) -> Config:
+        _, _, _, k_dim, v_dim = self.shape
+        return default_config(kernel, k_dim, v_dim, self.q.dtype, interpreted=self.q.device.type == "cpu")
+
+    def launch(self, kernel, config: Config, grid, *args, **flags):
+        """``kernel`` on ``grid`` with ``config``, this problem's sizes and ``flags``."""
+        _, heads, value_heads, k_dim, v_dim = self.shape
+        for_device(kernel, self.q.device)[grid](
+            *args, **_constexprs(kernel, heads, value_heads, k_dim, v_dim, config, **flags),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _constexprs(kernel, heads: int, value_heads: int, k_dim: int, v_dim: int, config: Config, **flags) -> dict:
+    """The sizes ``kernel`` takes (each takes its own subset) for ``config``, and ``flags``."""
+    padded = _padded(k_dim)
+    sizes = dict(H=heads, HV=value_heads, K=k_dim, V=v_dim, KP=padded, BK=min(config.block_k, padded),
+                 BV=config.block_v, C=CHUNK, SB=SUB)
+    return {**{name: size for name, size in sizes.items() if name in kernel.arg_names}, **flags}
 
 
 def _padded(dim: int) -> int:
@@ -663,34 +796,28 @@ def _chunks(cu: torch.Tensor):
     return seq.to(torch.int32), start.to(torch.int32), first.to(torch.int32), num_chunks
 
 
-def _chunk_recompute(x: _Problem, config: Config, store_t: bool):
-    """Steps 1-3 of the module docstring: (b, T, W, Wk, chunk start states, final states, chunk tables)."""
+def _chunk_recompute(x: _Problem, store_t: bool):
+    """Steps 1-2 of the module docstring: (T, W, Wk, chunk start states, final states, chunk tables)."""
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     chunk_seq, chunk_start, first_chunk, num_chunks = _chunks(x.cu)
-    dims = x.constexprs(config)
     f32 = dict(dtype=torch.float32, device=device)
-    b = t_inv = None
-    if x.g is not None and num_chunks:
-        b = torch.empty(tokens, value_heads, **f32)
-        for_device(chunk_cumsum_kernel, device)[(num_chunks,)](
-            x.g, b, chunk_seq, chunk_start, x.cu, HV=value_heads, HVP=triton.next_power_of_2(value_heads), C=CHUNK)
-    w = wk = None
+    t_inv = w = wk = None
     if x.beta is not None:
         w = torch.empty(tokens, value_heads, v_dim, **f32)  # U, then W in place
         wk = torch.empty(tokens, value_heads, k_dim, **f32)
         t_inv = torch.empty(tokens, value_heads, CHUNK, **f32) if store_t else w
         if num_chunks:
-            for_device(wy_kernel, device)[(num_chunks, value_heads)](
-                x.k, x.v, _or(b, x.beta), x.beta, t_inv, w, wk, chunk_seq, chunk_start, x.cu, **dims, C=CHUNK,
-                SB=SUB, HAS_G=b is not None, STORE_T=store_t, LOW=x.low, num_warps=config.num_warps)
+            x.launch(wy_kernel, x.config("wy"), (num_chunks, value_heads),
+                     x.k, x.v, _or(x.g, x.beta), x.beta, t_inv, w, wk, chunk_seq, chunk_start, x.cu,
+                     HAS_G=x.g is not None, STORE_T=store_t, LOW=x.low)
     h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
-    grid = (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v))
-    for_device(chunk_state_kernel, device)[grid](
-        x.k, x.v, _or(b, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk, **dims, C=CHUNK,
-        HAS_G=b is not None, HAS_H0=x.h0 is not None, DELTA=w is not None, LOW=x.low, num_warps=config.num_warps)
-    return b, t_inv, _or(w, x.v), wk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
+    config = x.config("chunk_state")
+    x.launch(chunk_state_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
+             x.k, x.v, _or(x.g, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk,
+             HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None, LOW=x.low)
+    return t_inv, _or(w, x.v), wk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
 
 
 def _or(t, placeholder):
@@ -704,14 +831,13 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     attention; ``g=None``: no decay)."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
-    config = default_config(k_dim, v_dim)
-    b, _, w, _, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, config, store_t=False)
+    _, w, _, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
     o = torch.empty_like(x.v)
     if num_chunks:
-        grid = (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v))
-        for_device(chunk_output_kernel, x.q.device)[grid](
-            x.q, x.k, w, _or(b, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, **x.constexprs(config), C=CHUNK,
-            HAS_G=b is not None, LOW=x.low, num_warps=config.num_warps)
+        config = x.config("chunk_output")
+        x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
+                 x.q, x.k, w, _or(x.g, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None,
+                 LOW=x.low)
     return o.view(v.shape), ht
 
 
@@ -736,48 +862,56 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
-    config = default_config(k_dim, v_dim)
-    dims = x.constexprs(config)
     delta = x.beta is not None
-    b, t_inv, w, wk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, config, True)
+    t_inv, w, wk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
     do = do.reshape(tokens, value_heads, v_dim).contiguous()
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
-    dw = torch.empty(tokens, value_heads, v_dim, **f32)  # dW; dv itself for linear attention
+    dw = torch.empty(tokens, value_heads, v_dim, **f32)  # dW, then dR in place (delta rule); dv itself for GLA
     dht = None if dht is None else dht.float().contiguous()
-    grid = (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v))
-    for_device(chunk_state_backward_kernel, device)[grid](
-        x.q, x.k, _or(wk, x.k), _or(b, x.k), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk, scale, **dims,
-        C=CHUNK, HAS_G=b is not None, HAS_DHT=dht is not None, DELTA=delta, LOW=x.low, num_warps=config.num_warps)
+    config = x.config("chunk_state_backward")
+    x.launch(chunk_state_backward_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
+             x.q, x.k, _or(wk, x.k), _or(x.g, x.k), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk, scale,
+             HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta, LOW=x.low)
     dq = torch.empty(tokens, value_heads, k_dim, **f32)
     dk = torch.empty(tokens, value_heads, k_dim, **f32)
     dv = torch.empty(tokens, value_heads, v_dim, **f32) if delta else dw
     dbeta = torch.empty(tokens, value_heads, **f32) if delta else None
     dg = torch.empty(tokens, value_heads, **f32) if x.g is not None else None
     if num_chunks:
-        for_device(chunk_grad_kernel, device)[(num_chunks, value_heads)](
-            x.q, x.k, x.v, w, _or(b, x.k), _or(x.beta, x.k), _or(t_inv, x.k), h, dh, do, dw, dq, dk, dv,
-            _or(dbeta, dq), _or(dg, dq), chunk_seq, chunk_start, x.cu, scale, **dims, C=CHUNK, HAS_G=b is not None,
-            DELTA=delta, LOW=x.low, num_warps=config.num_warps)
+        dp = torch.empty(tokens, value_heads, CHUNK, **f32)
+        da = torch.empty(tokens, value_heads, CHUNK, **f32) if delta else None
+        x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
+                 x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
+                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, LOW=x.low)
+        config = x.config("chunk_grad")
+        blocks = triton.cdiv(k_dim, config.block_k)
+        dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
+        db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
+        x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
+                 x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
+                 _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
+                 HAS_G=x.g is not None, DELTA=delta, LOW=x.low)
+        if delta:
+            dbeta += dbeta_parts.sum(0)
+        if x.g is not None:
+            # b is the cumulative sum of g within each chunk: dg is the reverse cumulative sum of db there
+            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, value_heads), db_parts.sum(0), dg, x.cu,
+                     WITHIN_CHUNKS=True)
     return _finish(x, dq, dk, dv, dg, dbeta, dh0, initial_state is not None)
 
 
-def _recurrent_config(x: _Problem) -> Config:
-    _, _, _, k_dim, v_dim = x.shape
-    return default_config(k_dim, v_dim, recurrent=True, interpreted=x.q.device.type == "cpu")
-
-
-def _recurrent(x: _Problem, config: Config, mode: int, scale: float, out=None, ht=None, do=None, dht=None,
-               dv=None, dq=None, dk=None, db=None):
-    tokens, _, value_heads, k_dim, v_dim = x.shape
-    grid = (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v))
+def _recurrent(x: _Problem, mode: int, scale: float, out=None, ht=None, do=None, dht=None, dv=None, dq=None,
+               dk=None, db=None):
+    _, _, value_heads, _, v_dim = x.shape
+    config = x.config("recurrent")
     unread = x.v
-    for_device(recurrent_kernel, x.q.device)[grid](
-        x.q, x.k, x.v, _or(x.g, unread), _or(x.beta, unread), _or(x.h0, unread), _or(out, unread), ht,
-        _or(do, unread), _or(dht, unread), _or(dv, unread), _or(dq, unread), _or(dk, unread), _or(db, unread), x.cu,
-        scale, **x.constexprs(config), MODE=mode, HAS_G=x.g is not None, DELTA=x.beta is not None,
-        HAS_H0=x.h0 is not None, HAS_DHT=dht is not None, num_warps=config.num_warps)
+    x.launch(recurrent_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
+             x.q, x.k, x.v, _or(x.g, unread), _or(x.beta, unread), _or(x.h0, unread), _or(out, unread), ht,
+             _or(do, unread), _or(dht, unread), _or(dv, unread), _or(dq, unread), _or(dk, unread), _or(db, unread),
+             x.cu, scale, MODE=mode, HAS_G=x.g is not None, DELTA=x.beta is not None, HAS_H0=x.h0 is not None,
+             HAS_DHT=dht is not None)
 
 
 def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
@@ -786,7 +920,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk
     tokens, _, value_heads, k_dim, v_dim = x.shape
     o = torch.empty_like(x.v)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, dtype=torch.float32, device=x.q.device)
-    _recurrent(x, _recurrent_config(x), 0, scale, out=o, ht=ht)
+    _recurrent(x, 0, scale, out=o, ht=ht)
     return o.view(v.shape), ht
 
 
@@ -796,7 +930,7 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
-    config = _recurrent_config(x)
+    config = x.config("recurrent")  # the replays' and the walk's parts are summed over the same V blocks
     blocks = triton.cdiv(v_dim, config.block_v)
     delta = x.beta is not None
     f32 = dict(dtype=torch.float32, device=device)
@@ -806,37 +940,36 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     e = None
     if delta:
         e = torch.empty(tokens, value_heads, v_dim, **f32)
-        _recurrent(x, config, 1, scale, out=e, ht=ht)
+        _recurrent(x, 1, scale, out=e, ht=ht)
     dv = torch.empty(tokens, value_heads, v_dim, **f32)
     dk_write = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     db_write = torch.empty(blocks, tokens, value_heads, **f32)
     dbeta = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
-    for_device(recurrent_backward_kernel, device)[(x.num_seqs, value_heads, blocks)](
-        x.q, x.k, x.v, _or(x.g, dv), _or(x.beta, dv), _or(e, dv), do, _or(dht, dh0), dv, dk_write, _or(dbeta, dv),
-        db_write, dh0, x.cu, scale, **x.constexprs(config), HAS_G=x.g is not None, DELTA=delta,
-        HAS_DHT=dht is not None, num_warps=config.num_warps)
+    x.launch(recurrent_backward_kernel, config, (x.num_seqs, value_heads, blocks),
+             x.q, x.k, x.v, _or(x.g, dv), _or(x.beta, dv), _or(e, dv), do, _or(dht, dh0), dv, dk_write,
+             _or(dbeta, dv), db_write, dh0, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, HAS_DHT=dht is not None)
     dq = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     dk_read = torch.empty(blocks, tokens, value_heads, k_dim, **f32) if delta else None
     db_read = torch.empty(blocks, tokens, value_heads, **f32)
-    _recurrent(x, config, 2, scale, ht=ht, do=do, dht=dht, dv=dv, dq=dq, dk=dk_read, db=db_read)
+    _recurrent(x, 2, scale, ht=ht, do=do, dht=dht, dv=dv, dq=dq, dk=dk_read, db=db_read)
     dk = dk_write.sum(0) if dk_read is None else dk_write.sum(0) + dk_read.sum(0)
     dg = None
     if x.g is not None:
         db = db_write.sum(0) + db_read.sum(0)
         dg = torch.empty_like(db)
         if tokens:
-            for_device(reverse_cumsum_kernel, device)[(x.num_seqs, value_heads)](db, dg, x.cu, HV=value_heads,
-                                                                                 C=CHUNK)
+            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, value_heads), db, dg, x.cu, WITHIN_CHUNKS=False)
     return _finish(x, dq.sum(0), dk, dv, dg, None if dbeta is None else dbeta.sum(0), dh0, initial_state is not None)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INDEX_POINTERS = ("cu_ptr", "chunk_seq_ptr", "chunk_start_ptr", "first_chunk_ptr")
 _INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr")
+_VALUE_POINTERS = ("w_ptr", "u_ptr")  # W, U (float32) for the delta rule; v itself for linear attention
 
 
-def _signature(kernel, dtype: torch.dtype, constexprs: dict, out_type: str | None = None) -> dict:
+def _signature(kernel, dtype: torch.dtype, constexprs: dict, delta: bool, out_type: str | None = None) -> dict:
     """Types of ``kernel``'s arguments: inputs in ``dtype``, indices int32, the rest float32."""
     signature = {}
     for name in kernel.arg_names:
@@ -844,7 +977,9 @@ def _signature(kernel, dtype: torch.dtype, constexprs: dict, out_type: str | Non
             signature[name] = "constexpr"
         elif name in _INDEX_POINTERS:
             signature[name] = "*i32"
-        elif name in _INPUT_POINTERS:
+        elif name == "num_tokens":
+            signature[name] = "i32"
+        elif name in _INPUT_POINTERS or (name in _VALUE_POINTERS and not delta):
             signature[name] = "*" + _TRITON_TYPES[dtype]
         elif name == "out_ptr":
             signature[name] = out_type
@@ -857,33 +992,30 @@ def _signature(kernel, dtype: torch.dtype, constexprs: dict, out_type: str | Non
 
 def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_dim: int = 128, heads: int = 16,
                     value_heads: int = 32):
-    """``[(name, kernel, signature, constexprs, num_warps, has_dots)]``: every kernel of one problem
-    (Qwen3-Next-like head sizes by default) to build ahead of time for inputs of ``dtype``."""
-    low = _low_precision(dtype, interpreted=False)
-    chunk, rec = default_config(k_dim, v_dim), default_config(k_dim, v_dim, recurrent=True)
-    shape = dict(H=heads, HV=value_heads, K=k_dim, V=v_dim, KP=_padded(k_dim))
-    flags = dict(HAS_G=True, LOW=low)
-    cases = [
-        ("chunk_cumsum", chunk_cumsum_kernel, dict(HV=value_heads, HVP=triton.next_power_of_2(value_heads), C=CHUNK),
-         chunk, False, None),
-        ("chunk_state", chunk_state_kernel, dict(shape, BV=chunk.block_v, C=CHUNK, HAS_H0=True, DELTA=delta, **flags),
-         chunk, True, None),
-        ("chunk_output", chunk_output_kernel, dict(shape, BV=chunk.block_v, C=CHUNK, **flags), chunk, True, None),
-        ("chunk_state_backward", chunk_state_backward_kernel,
-         dict(shape, BV=chunk.block_v, C=CHUNK, HAS_DHT=True, DELTA=delta, **flags), chunk, True, None),
-        ("chunk_grad", chunk_grad_kernel, dict(shape, BV=chunk.block_v, C=CHUNK, DELTA=delta, **flags), chunk, True,
-         None),
-        ("reverse_cumsum", reverse_cumsum_kernel, dict(HV=value_heads, C=CHUNK), chunk, False, None),
-        ("recurrent_backward", recurrent_backward_kernel,
-         dict(shape, BV=rec.block_v, HAS_G=True, DELTA=delta, HAS_DHT=True), rec, False, None),
+    """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
+    (Qwen3-Next-like head sizes by default) at its default config, to build ahead of time for
+    inputs of ``dtype``."""
+    flags = dict(HAS_G=True, LOW=_low_precision(dtype, interpreted=False))
+    cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
+        ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_H0=True, DELTA=delta, **flags), True, None),
+        ("chunk_output", chunk_output_kernel, "chunk_output", flags, True, None),
+        ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
+         dict(HAS_DHT=True, DELTA=delta, **flags), True, None),
+        ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs", dict(DELTA=delta, **flags), True, None),
+        ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(DELTA=delta, **flags), True, None),
+        ("reverse_cumsum", reverse_cumsum_kernel, None, dict(WITHIN_CHUNKS=True), False, None),
+        ("recurrent_backward", recurrent_backward_kernel, "recurrent", dict(HAS_G=True, DELTA=delta, HAS_DHT=True),
+         False, None),
     ]
     if delta:
-        cases.append(("wy", wy_kernel, dict(shape, BV=chunk.block_v, C=CHUNK, SB=SUB, STORE_T=True, **flags), chunk,
-                      True, None))
+        cases.append(("wy", wy_kernel, "wy", dict(STORE_T=True, **flags), True, None))
     for mode, out_type in ((0, "*" + _TRITON_TYPES[dtype]), (1, "*fp32"), (2, "*fp32")):
         if mode != 1 or delta:
-            cases.append((f"recurrent_mode{mode}", recurrent_kernel,
-                          dict(shape, BV=rec.block_v, MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True),
-                          rec, False, out_type))
-    return [(name, kernel, _signature(kernel, dtype, constexprs, out_type), constexprs, config.num_warps, dots)
-            for name, kernel, constexprs, config, dots, out_type in cases]
+            cases.append((f"recurrent_mode{mode}", recurrent_kernel, "recurrent",
+                          dict(MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True), False, out_type))
+    targets = []
+    for name, kernel, config_name, kernel_flags, dots, out_type in cases:
+        config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype)
+        constexprs = _constexprs(kernel, heads, value_heads, k_dim, v_dim, config, **kernel_flags)
+        targets.append((name, kernel, _signature(kernel, dtype, constexprs, delta, out_type), constexprs, config, dots))
+    return targets

@@ -30,12 +30,13 @@ class Config:
 
 
 def default_config(b: int, d: int, c: int) -> Config:
-    """Heuristic: narrower row blocks when many classes share the registers."""
+    """Heuristic: narrower row blocks when many classes share the registers; 32-wide whitening
+    tiles, 16 wide under many classes (the class dot goes through FMAs over a whole ``BLOCK_N``):
+    64-wide ones spilled (ptxas fell back to 32 registers at 150 classes)."""
     small = max(16, triton.next_power_of_2(d))
-    block_nk = min(64, small)
     if c > 64:
-        return Config(block_b=32, block_n=block_nk, block_k=block_nk, num_warps=8)
-    return Config(block_b=64 if b > 32 else 16, block_n=block_nk, block_k=block_nk, num_warps=4)
+        return Config(block_b=32, block_n=min(16, small), block_k=min(32, small), num_warps=8)
+    return Config(block_b=64 if b > 32 else 16, block_n=min(32, small), block_k=min(32, small), num_warps=4)
 
 
 @triton.jit
