@@ -312,17 +312,11 @@ COMPILE_CASES = [  # (model, dtype, float8 weights, block shape, tokens, the ker
 
 
 def build(target, arch):
-    """``triton_impl.compile_for`` with the divisibility a launch on these shapes specializes on
-    (which ``compile_for`` cannot pass): without it Triton neither vectorizes the loads nor
-    pipelines them, and the build is not the one that runs."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """``target`` compiled as a launch on these shapes specializes it (``target.divisible``)."""
+    from triton_impl import compile_for
 
-    attrs = {(target.kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in target.divisible}
-    source = ASTSource(fn=target.kernel, signature=target.signature, constexprs=target.constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": target.config.num_warps, "num_stages": target.config.num_stages})
+    return compile_for(target.kernel, target.signature, target.constexprs, arch, target.config.num_warps,
+                       target.config.num_stages, divisible=tuple(target.divisible))
 
 
 # Triton has no float8_e4m3fn before sm_89; there fused_moe passes such calls to the next backend.
