@@ -661,3 +661,293 @@ def fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets, activatio
     y = _gmm(h, w2, offsets, w2_scale, out_dtype=jnp.dtype(jnp.float32), transposed=True, block_shape=block_shape,
              tail=False, interpret=interpret, config=config)
     return moe_combine(y, row_of_slot, weights, x.dtype, interpret=interpret)
+
+
+# ---- differentiable forms (what torchax tensors run) ----
+#
+# Each op as a jax.custom_vjp over a set of kernels, the Pallas ones above or the plain-jnp
+# references below, its backward composed of the same set's kernels as torch_kernels.ops.moe's
+# backwards compose the ops: a gather's is a combine and the reverse, a grouped GEMM's are a
+# grouped GEMM and a weight-gradient GEMM, fused_moe's recomputes its forward unfused. The first
+# argument names the set (bind it with functools.partial); index arrays get no cotangent.
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One backend's kernels, with the Pallas kernels' signatures."""
+
+    router_topk: object
+    moe_gather: object
+    moe_combine: object
+    grouped_mm: object
+    grouped_mm_weight_grad: object
+    fused_moe: object
+
+
+def router_topk_reference(logits, top_k, scoring="softmax", renormalize=True, num_expert_groups=None,
+                          topk_groups=None, correction_bias=None, routed_scaling_factor=1.0):
+    """:func:`router_topk` in jnp (``lax.top_k`` takes the first index on ties, as the kernel)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if num_expert_groups is not None:
+        num_tokens, num_experts = choice.shape
+        size = num_experts // num_expert_groups
+        grouped = choice.reshape(num_tokens, num_expert_groups, size)
+        group_scores = jax.lax.top_k(grouped, min(2, size))[0].sum(axis=-1)
+        kept = jax.lax.top_k(group_scores, topk_groups)[1]
+        mask = jnp.zeros(group_scores.shape, jnp.bool_).at[jnp.arange(num_tokens)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(mask, size, axis=1), choice, -jnp.inf)
+    ids = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights * routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def moe_gather_reference(x, token_of_row):
+    """:func:`moe_gather` in jnp."""
+    if x.shape[0] == 0:
+        return jnp.zeros((token_of_row.shape[0], x.shape[1]), x.dtype)
+    rows = jnp.take(x, jnp.maximum(token_of_row, 0), axis=0)
+    return jnp.where((token_of_row >= 0)[:, None], rows, jnp.zeros_like(rows))
+
+
+def moe_combine_reference(y, row_of_slot, weights, out_dtype=None):
+    """:func:`moe_combine` in jnp: float32, slot by slot in order, dropped slots never read."""
+    out_dtype = jnp.dtype(out_dtype or y.dtype)
+    (num_tokens, top_k), cols = row_of_slot.shape, y.shape[1]
+    if num_tokens == 0 or y.shape[0] == 0:
+        return jnp.zeros((num_tokens, cols), out_dtype)
+    rows = jnp.take(y, jnp.maximum(row_of_slot, 0).reshape(-1), axis=0).reshape(num_tokens, top_k, cols)
+    used = (row_of_slot >= 0)[..., None]
+    terms = jnp.where(used, rows.astype(jnp.float32) * weights[..., None].astype(jnp.float32), 0.0)
+    out = terms[:, 0]
+    for j in range(1, top_k):
+        out = out + terms[:, j]
+    return out.astype(out_dtype)
+
+
+def _group_sizes(offsets):
+    return jnp.diff(offsets.astype(jnp.int32), prepend=0)
+
+
+def grouped_mm_reference(x, w, offsets, out_dtype=None, w_transposed=False):
+    """:func:`grouped_mm` in jnp: ``lax.ragged_dot`` in float32, rows past ``offsets[-1]`` zero."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    w = jnp.swapaxes(w, 1, 2) if w_transposed else w
+    (num_rows, k_dim), (num_experts, _, n_dim) = x.shape, w.shape
+    if num_rows == 0 or k_dim == 0 or n_dim == 0 or num_experts == 0:
+        return jnp.zeros((num_rows, n_dim), out_dtype)
+    out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), _group_sizes(offsets),
+                             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    routed = jnp.arange(num_rows)[:, None] < offsets[-1]  # zero past the experts, whatever ragged_dot leaves
+    return jnp.where(routed, out, 0.0).astype(out_dtype)
+
+
+def grouped_mm_weight_grad_reference(x, dy, offsets, num_experts, out_dtype=None):
+    """:func:`grouped_mm_weight_grad` in jnp: ``lax.ragged_dot_general`` over the ragged rows."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    (num_rows, k_dim), n_dim = x.shape, dy.shape[1]
+    if num_rows == 0 or k_dim == 0 or n_dim == 0 or num_experts == 0:
+        return jnp.zeros((num_experts, k_dim, n_dim), out_dtype)
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    out = jax.lax.ragged_dot_general(x.astype(jnp.float32), dy.astype(jnp.float32), _group_sizes(offsets), numbers,
+                                     precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _dequantized(w, scale, block_shape):
+    """float32 weights ``[E, N, K]`` from float8 entries and their channel or block scales."""
+    if scale is None:
+        return w
+    w = w.astype(jnp.float32)
+    if block_shape is None:
+        return w * scale[..., None]
+    (bn, bk), (_, n, k) = block_shape, w.shape
+    return w * jnp.repeat(jnp.repeat(scale, bn, axis=1)[:, :n], bk, axis=2)[:, :, :k]
+
+
+def fused_moe_reference(x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation="silu", w13_scale=None,
+                        w2_scale=None, block_shape=None):
+    """:func:`fused_moe` in jnp, unfused (h rounded to x's dtype between the GEMMs, as the kernels)."""
+    rows = moe_gather_reference(x, token_of_row)
+    gate_up = grouped_mm_reference(rows, _dequantized(w13, w13_scale, block_shape), offsets, jnp.float32, True)
+    half = gate_up.shape[1] // 2
+    h = _activate(gate_up[:, :half], gate_up[:, half:], activation).astype(x.dtype)
+    y = grouped_mm_reference(h, _dequantized(w2, w2_scale, block_shape), offsets, jnp.float32, True)
+    return moe_combine_reference(y, row_of_slot, weights, x.dtype)
+
+
+PALLAS = Kernels(router_topk, moe_gather, moe_combine, grouped_mm, grouped_mm_weight_grad, fused_moe)
+REFERENCE = Kernels(router_topk_reference, moe_gather_reference, moe_combine_reference, grouped_mm_reference,
+                    grouped_mm_weight_grad_reference, fused_moe_reference)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6, 7, 8))
+def differentiable_router_topk(kernels, logits, correction_bias, top_k, scoring="softmax", renormalize=True,
+                               num_expert_groups=None, topk_groups=None, routed_scaling_factor=1.0):
+    """``kernels.router_topk``, differentiable in ``logits`` (the bias only steers the choice)."""
+    return kernels.router_topk(logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
+                               routed_scaling_factor)
+
+
+def _router_fwd(kernels, logits, correction_bias, top_k, scoring, renormalize, num_expert_groups, topk_groups,
+                routed_scaling_factor):
+    weights, ids = differentiable_router_topk(kernels, logits, correction_bias, top_k, scoring, renormalize,
+                                              num_expert_groups, topk_groups, routed_scaling_factor)
+    return (weights, ids), (logits, ids)
+
+
+def _router_bwd(kernels, top_k, scoring, renormalize, num_expert_groups, topk_groups, routed_scaling_factor,
+                residuals, cotangents):
+    logits, ids = residuals
+    scores = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(scores, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(scores)
+    picked = jnp.take_along_axis(scores, ids, axis=1)
+    d_picked = cotangents[0].astype(jnp.float32) * routed_scaling_factor
+    if renormalize:
+        total = picked.sum(axis=-1, keepdims=True)
+        d_picked = (d_picked - (d_picked * picked).sum(axis=-1, keepdims=True) / total) / total
+    d_scores = jnp.zeros_like(scores).at[jnp.arange(ids.shape[0])[:, None], ids].add(d_picked)
+    if scoring == "softmax":
+        d_logits = scores * (d_scores - (d_scores * scores).sum(axis=-1, keepdims=True))
+    else:
+        d_logits = d_scores * scores * (1 - scores)
+    return d_logits.astype(logits.dtype), None
+
+
+differentiable_router_topk.defvjp(_router_fwd, _router_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def differentiable_moe_gather(kernels, x, token_of_row, row_of_slot):
+    """``kernels.moe_gather``; its backward combines the rows' gradients with unit weights."""
+    return kernels.moe_gather(x, token_of_row)
+
+
+def _gather_fwd(kernels, x, token_of_row, row_of_slot):
+    return kernels.moe_gather(x, token_of_row), (token_of_row, row_of_slot)
+
+
+def _gather_bwd(kernels, residuals, d_rows):
+    token_of_row, row_of_slot = residuals
+    ones = jnp.ones(row_of_slot.shape, jnp.float32)
+    return kernels.moe_combine(d_rows, row_of_slot, ones, d_rows.dtype), None, None  # d_rows: x's dtype
+
+
+differentiable_moe_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _combine_grads(kernels, y, token_of_row, row_of_slot, weights, d_out, d_y_dtype):
+    """(d y, d weights) of ``combine(y, weights)``: each row gets its token's gradient times its
+    routing weight (a gather), each used slot the dot of its row with its token's gradient."""
+    used = row_of_slot >= 0
+    flat = jnp.maximum(row_of_slot, 0).reshape(-1)
+    weight_of_row = jnp.zeros((y.shape[0],), jnp.float32).at[flat].add(
+        jnp.where(used, weights.astype(jnp.float32), 0.0).reshape(-1))
+    d_y = (kernels.moe_gather(d_out, token_of_row).astype(jnp.float32) * weight_of_row[:, None]).astype(d_y_dtype)
+    rows = jnp.take(y, flat, axis=0).reshape(*row_of_slot.shape, y.shape[1]).astype(jnp.float32)
+    d_weights = jnp.where(used, (rows * d_out.astype(jnp.float32)[:, None, :]).sum(axis=-1), 0.0)
+    return d_y, d_weights.astype(weights.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def differentiable_moe_combine(kernels, y, token_of_row, row_of_slot, weights):
+    """``kernels.moe_combine`` into y's dtype, differentiable in ``y`` and ``weights``."""
+    return kernels.moe_combine(y, row_of_slot, weights.astype(jnp.float32), y.dtype)
+
+
+def _combine_fwd(kernels, y, token_of_row, row_of_slot, weights):
+    out = differentiable_moe_combine(kernels, y, token_of_row, row_of_slot, weights)
+    return out, (y, token_of_row, row_of_slot, weights)
+
+
+def _combine_bwd(kernels, residuals, d_out):
+    y, token_of_row, row_of_slot, weights = residuals
+    d_y, d_weights = _combine_grads(kernels, y, token_of_row, row_of_slot, weights, d_out, y.dtype)
+    return d_y, None, None, d_weights
+
+
+differentiable_moe_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def differentiable_grouped_mm(kernels, x, w, offsets, out_dtype=None):
+    """``kernels.grouped_mm`` of ``w [E, K, N]``, differentiable in ``x`` and ``w``."""
+    return kernels.grouped_mm(x, w, offsets, out_dtype)
+
+
+def _grouped_fwd(kernels, x, w, offsets, out_dtype):
+    return kernels.grouped_mm(x, w, offsets, out_dtype), (x, w, offsets)
+
+
+def _grouped_bwd(kernels, out_dtype, residuals, d_out):
+    x, w, offsets = residuals
+    d_out = d_out.astype(x.dtype)
+    d_x = kernels.grouped_mm(d_out, w, offsets, x.dtype, True)  # w read as each expert's transpose
+    d_w = kernels.grouped_mm_weight_grad(x, d_out, offsets, w.shape[0], w.dtype)
+    return d_x, d_w, None
+
+
+differentiable_grouped_mm.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _activation_backward(gate_up, d_h, activation: str):
+    """float32 ``d gate_up`` from ``d h`` for ``h = activate(gate_up)``, as the op layer's."""
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    if activation == "silu":
+        sig = _sigmoid(gate)
+        d_act = sig * (1 + gate * (1 - sig))
+        return jnp.concatenate([d_h * up * d_act, d_h * gate * sig], axis=-1)
+    if activation == "gelu":
+        cdf = 0.5 * (1 + jax.lax.erf(gate * math.sqrt(0.5)))
+        pdf = jnp.exp(-0.5 * gate * gate) / math.sqrt(2 * math.pi)
+        return jnp.concatenate([d_h * up * (cdf + gate * pdf), d_h * gate * cdf], axis=-1)
+    g, u = jnp.minimum(gate, SWIGLUOAI_LIMIT), jnp.clip(up, -SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
+    sig = _sigmoid(SWIGLUOAI_ALPHA * g)
+    d_g = d_h * (u + 1) * (sig + SWIGLUOAI_ALPHA * g * sig * (1 - sig)) * (gate <= SWIGLUOAI_LIMIT)
+    d_u = d_h * g * sig * ((up >= -SWIGLUOAI_LIMIT) & (up <= SWIGLUOAI_LIMIT))
+    return jnp.concatenate([d_g, d_u], axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 11))
+def differentiable_fused_moe(kernels, x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation="silu",
+                             w13_scale=None, w2_scale=None, block_shape=None):
+    """``kernels.fused_moe``, differentiable in ``x``, ``w13``, ``w2`` and ``weights`` for
+    unquantized weights (float8 weights are inference-only: their backward raises)."""
+    return kernels.fused_moe(x, w13, w2, weights.astype(jnp.float32), token_of_row, row_of_slot, offsets, activation,
+                             w13_scale, w2_scale, block_shape)
+
+
+def _fused_fwd(kernels, x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation, w13_scale, w2_scale,
+               block_shape):
+    out = differentiable_fused_moe(kernels, x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation,
+                                   w13_scale, w2_scale, block_shape)
+    return out, (x, w13, w2, weights, token_of_row, row_of_slot, offsets, w13_scale)
+
+
+def _fused_bwd(kernels, activation, block_shape, residuals, d_out):
+    x, w13, w2, weights, token_of_row, row_of_slot, offsets, w13_scale = residuals
+    if w13_scale is not None:
+        raise RuntimeError("fused_moe: float8 weights are inference-only; call it without gradients")
+    num_experts, acc = w13.shape[0], jnp.float32
+    # the forward recomputed unfused, then each piece's backward
+    rows = kernels.moe_gather(x, token_of_row)
+    gate_up = kernels.grouped_mm(rows, w13, offsets, acc, True)
+    half = gate_up.shape[1] // 2
+    h = _activate(gate_up[:, :half], gate_up[:, half:], activation).astype(x.dtype)
+    y = kernels.grouped_mm(h, w2, offsets, acc, True)
+    d_y, d_weights = _combine_grads(kernels, y, token_of_row, row_of_slot, weights, d_out, x.dtype)
+    d_h = kernels.grouped_mm(d_y, w2, offsets, acc)
+    d_w2 = kernels.grouped_mm_weight_grad(d_y, h, offsets, num_experts, w2.dtype)
+    d_gate_up = _activation_backward(gate_up, d_h, activation).astype(x.dtype)
+    d_rows = kernels.grouped_mm(d_gate_up, w13, offsets, x.dtype)
+    d_w13 = kernels.grouped_mm_weight_grad(d_gate_up, rows, offsets, num_experts, w13.dtype)
+    d_x = kernels.moe_combine(d_rows, row_of_slot, jnp.ones(row_of_slot.shape, acc), x.dtype)
+    return d_x, d_w13, d_w2, d_weights, None, None, None, None, None
+
+
+differentiable_fused_moe.defvjp(_fused_fwd, _fused_bwd)

@@ -189,6 +189,98 @@ def _linear_attention_implementations():
     }
 
 
+def _schema_arguments(overload, args, kwargs) -> list:
+    """Every schema argument of a call to ``overload``, those left out at their defaults."""
+    arguments = overload._schema.arguments
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    return list(args) + [kwargs.get(a.name, defaults.get(a.name)) for a in arguments[len(args):]]
+
+
+def _moe_implementations():
+    """The torchax implementations of the mixture-of-experts ops, by op name, with gradients.
+
+    Each runs the op's checks, then the ``jax.custom_vjp`` form of jax_impl.moe over the Pallas
+    kernels or the jnp references, whose backward composes that backend's kernels as the op
+    layer's backward composes the ops. Index arrays cross as JAX arrays, so ``jax.vjp`` leaves
+    them out. ``moe_dispatch`` makes its routing maps with torch ops, which torchax runs;
+    ``fused_moe`` makes them with jax_impl's ``sort_by_expert``. ``grouped_mm_weight_grad`` is
+    inference-only, as on other devices.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax_impl import moe as kernels
+    from torchax.interop import j2t_autograd, jax_view, torch_view
+
+    from .ops import moe as op
+
+    by_backend = {"pallas": kernels.PALLAS, "reference": kernels.REFERENCE}
+    int64_element = torch.zeros(1, dtype=torch.int64)  # made here: in the environment, constructors make JAX arrays
+    no_int64 = jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int32
+
+    def differentiable(form):
+        return {name: j2t_autograd(torch_view(functools.partial(form, ks))) for name, ks in by_backend.items()}
+
+    routers = differentiable(kernels.differentiable_router_topk)
+    gathers = differentiable(kernels.differentiable_moe_gather)
+    combines = differentiable(kernels.differentiable_moe_combine)
+    grouped = differentiable(kernels.differentiable_grouped_mm)
+    fused = differentiable(kernels.differentiable_fused_moe)
+    weight_grads = {name: ks.grouped_mm_weight_grad for name, ks in by_backend.items()}
+
+    def router_topk(*args, **kwargs):
+        logits, top_k, scoring, renormalize, groups, topk_groups, bias, scale, choice = _schema_arguments(
+            op.router_topk_op, args, kwargs)
+        op._check_router(logits, top_k, scoring, renormalize, groups, topk_groups, bias, scale)
+        return _first_backend(choice, routers)(logits, jax_view(bias), top_k, scoring, renormalize, groups,
+                                               topk_groups, float(scale))
+
+    def int64_stand_in(t):
+        """JAX without x64 holds int64 as int32 (the maps moe_dispatch made with ``.long()``): the
+        int64 checks see an int64 tensor of t's shape, one element expanded, for such a map."""
+        if no_int64 and t.dtype == torch.int32:
+            return int64_element.view((1,) * t.dim()).expand(t.shape)
+        return t
+
+    def check_routing_map(token_of_row, row_of_slot, rows):
+        op._check_routing_map(int64_stand_in(token_of_row), int64_stand_in(row_of_slot), rows)
+
+    def moe_gather(*args, **kwargs):
+        x, token_of_row, row_of_slot, choice = _schema_arguments(op.moe_gather_op, args, kwargs)
+        check_routing_map(token_of_row, row_of_slot, token_of_row.shape[0])
+        return _first_backend(choice, gathers)(x, *jax_view((token_of_row, row_of_slot)))
+
+    def moe_combine(*args, **kwargs):
+        y, token_of_row, row_of_slot, weights, choice = _schema_arguments(op.moe_combine_op, args, kwargs)
+        check_routing_map(token_of_row, row_of_slot, y.shape[0])
+        return _first_backend(choice, combines)(y, *jax_view((token_of_row, row_of_slot)), weights)
+
+    def grouped_mm(*args, **kwargs):
+        x, w, offsets, out_dtype, choice = _schema_arguments(op.grouped_mm_op, args, kwargs)
+        op._check_grouped(x, w, offsets, out_dtype)
+        op.check_offsets(offsets, x.shape[0])
+        return _first_backend(choice, grouped)(x, w, jax_view(offsets), jax_view(out_dtype or x.dtype))
+
+    def grouped_mm_weight_grad(*args, **kwargs):
+        x, dy, offsets, num_experts, out_dtype, choice = _schema_arguments(op.grouped_mm_weight_grad_op, args,
+                                                                             kwargs)
+        kernel = _first_backend(choice, weight_grads)
+        return torch_view(kernel(*jax_view((x, dy, offsets)), num_experts, jax_view(out_dtype)))
+
+    def fused_moe(*args, **kwargs):
+        x, w13, w2, weights, ids, activation, w13_scale, w2_scale, block_shape, choice = _schema_arguments(
+            op.fused_moe_op, args, kwargs)
+        op._check_fused(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, block_shape)
+        op.check_ids_range(ids, w13.shape[0])
+        run = _first_backend(choice, fused)
+        maps = kernels.sort_by_expert(jax_view(ids), w13.shape[0])
+        experts = (w13, w2) if w13_scale is None else jax_view((w13, w2))  # float8 weights get no gradient
+        return run(x, *experts, weights, *maps, activation, *jax_view((w13_scale, w2_scale)),
+                   None if block_shape is None else tuple(block_shape))
+
+    return {op.ROUTER: router_topk, op.GATHER: moe_gather, op.COMBINE: moe_combine, op.GROUPED_MM: grouped_mm,
+            op.WEIGHT_GRAD: grouped_mm_weight_grad, op.FUSED: fused_moe}
+
+
 def register(env) -> None:
     """Register the JAX implementations of every op with torchax environment ``env``."""
     from jax_impl import ood
@@ -204,4 +296,6 @@ def register(env) -> None:
     env.override_op_definition(torch.ops.torch_kernels.reshape_and_cache.default, write)
     env.override_op_definition(torch.ops.torch_kernels.ragged_paged_attention.default, attention)
     for name, impl in _linear_attention_implementations().items():
+        env.override_op_definition(getattr(torch.ops.torch_kernels, name).default, impl)
+    for name, impl in _moe_implementations().items():
         env.override_op_definition(getattr(torch.ops.torch_kernels, name).default, impl)
