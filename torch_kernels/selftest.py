@@ -13,9 +13,11 @@ import torch
 
 from . import backends
 from .ops import linear_attention as linear_attention_ops
+from .ops import moe as moe_ops
 from .ops import ood as ood_ops
 from .ops import paged_attention as paged_attention_ops
 from .reference import linear_attention as linear_attention_reference
+from .reference import moe as moe_reference
 from .reference import ood as ood_reference
 from .reference import paged_attention as paged_attention_reference
 
@@ -110,11 +112,40 @@ def _linear_attention_case(op: str) -> Case:
     return Case(op, lambda gen, dtype, device: linear_attention_inputs(gen, dtype, device, delta), run, definition)
 
 
+def moe_inputs(gen, dtype, device, tokens=37, hidden=64, inter=48, experts=8, top_k=2):
+    """Tokens, gate/up and down weights, and a softmax top-k routing of random router logits."""
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    scores = torch.randn(tokens, experts, generator=gen).softmax(dim=-1)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return (x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), weights.to(device),
+            ids.to(device, torch.int32))
+
+
+def _fused_moe_definition(x, w13, w2, weights, ids):
+    return moe_reference.fused_moe_naive(x.double(), w13.double(), w2.double(), weights.double(), ids, "silu")
+
+
+def grouped_mm_inputs(gen, dtype, device, rows=61, k_dim=40, n_dim=24, experts=6):
+    """Rows split unevenly over experts (one empty), the last rows belonging to none."""
+    x = torch.randn(rows, k_dim, generator=gen)
+    w = torch.randn(experts, k_dim, n_dim, generator=gen) * k_dim ** -0.5
+    offsets = torch.tensor([9, 9, 30, 41, 52, 55], dtype=torch.int32)
+    return x.to(device, dtype), w.to(device, dtype), offsets.to(device)
+
+
+def _grouped_mm_definition(x, w, offsets):
+    return moe_reference.grouped_mm_naive(x.double(), w.double(), offsets, torch.float64)
+
+
 CASES = [
     Case("mahalanobis_score", mahalanobis_inputs, ood_ops.mahalanobis_score, ood_reference.mahalanobis_score_naive),
     Case("ragged_paged_attention", paged_attention_inputs, paged_attention_ops.ragged_paged_attention,
          _paged_attention_definition),
     *(_linear_attention_case(op) for op in linear_attention_ops.OPS),
+    Case("fused_moe", moe_inputs, moe_ops.fused_moe, _fused_moe_definition),
+    Case("grouped_mm", grouped_mm_inputs, moe_ops.grouped_mm, _grouped_mm_definition),
 ]
 
 
