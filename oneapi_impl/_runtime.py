@@ -49,7 +49,8 @@ def _cache_dir() -> pathlib.Path:
 def spirv(source: str, macros: dict[str, int]) -> bytes:
     """The SPIR-V module of kernel source file ``source`` built with ``-D`` ``macros``."""
     clang, llvm_spirv = _tools()
-    text = (_SOURCES / source).read_text()
+    shared = _SOURCES / "dtypes.cl"  # the dtype helpers every source uses, included first
+    text = shared.read_text() + (_SOURCES / source).read_text()
     flags = [f"-D{name}={value}" for name, value in sorted(macros.items())]
     key = hashlib.sha256("\0".join([text, clang, llvm_spirv, *flags]).encode()).hexdigest()[:32]
     cached = _cache_dir() / f"{key}.spv"
@@ -59,7 +60,7 @@ def spirv(source: str, macros: dict[str, int]) -> bytes:
         bitcode, module = pathlib.Path(tmp, "k.bc"), pathlib.Path(tmp, "k.spv")
         steps = (
             [clang, "-c", "-target", "spir64", "-cl-std=CL2.0", "-O2", "-emit-llvm", *flags,
-             "-o", str(bitcode), str(_SOURCES / source)],
+             "-include", str(shared), "-o", str(bitcode), str(_SOURCES / source)],
             [llvm_spirv, str(bitcode), "-o", str(module)],
         )
         for step in steps:

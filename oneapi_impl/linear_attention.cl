@@ -21,31 +21,8 @@
 // Divisions are unsigned: signed quotient-remainder pairs make clang -O2 emit `freeze`, which
 // llvm-spirv 14 cannot translate.
 
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-
-#define TYPE_0 float
-#define TYPE_1 ushort  // float16 and bfloat16 are kept as their bits
-#define TYPE_2 ushort
-typedef CAT(TYPE_, QK_KIND) qk_t;
+typedef CAT(TYPE_, QK_KIND) qk_t;  // kinds, loads and stores come from dtypes.cl
 typedef CAT(TYPE_, V_KIND) v_t;
-
-#define LOAD_0(p, i) ((p)[i])
-#define LOAD_1(p, i) vload_half((i), (const __global half *)(p))  // needs no fp16 arithmetic
-#define LOAD_2(p, i) as_float((uint)(p)[i] << 16)                  // bf16: top half of a float32
-#define LOAD(kind, p, i) CAT(LOAD_, kind)(p, i)
-
-// round to nearest even on the bits, as torch converts (a NaN becomes c10's bf16 NaN)
-static ushort encode_bf16(float x) {
-    const uint u = as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)0x7fc0;
-    return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-#define STORE_0(p, i, x) ((p)[i] = (x))
-#define STORE_1(p, i, x) vstore_half_rte((x), (i), (__global half *)(p))
-#define STORE_2(p, i, x) ((p)[i] = encode_bf16(x))
-#define STORE(kind, p, i, x) CAT(STORE_, kind)(p, i, x)
 
 #define CHUNK 64
 #define WG 64  // work-items of a chunk kernel's work-group: one per chunk row or state column

@@ -19,8 +19,6 @@
 // Divisions are unsigned: signed quotient-remainder pairs make clang -O2 emit `freeze`, which
 // llvm-spirv 14 cannot translate.
 
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
 
 #define WY (TM < 16 ? TM : 16)  // work-items along a tile's rows (OpenCL dimension 1)
 #define WX (256 / WY)             // and along its columns (dimension 0)
@@ -34,38 +32,8 @@
 #define TM_PAD (TM + 1)
 #define TN_PAD (TN + 1)
 
-#define TYPE_0 float
-#define TYPE_1 ushort  // float16 and bfloat16 are kept as their bits
-#define TYPE_2 ushort
-#define TYPE_4 uchar
 typedef CAT(TYPE_, A_KIND) a_t;
 typedef CAT(TYPE_, W_KIND) w_t;
-
-// OpenCL has no fp8 type: sign, 4 exponent bits (bias 7), 3 mantissa bits; no inf, 0x7f is NaN.
-static float decode_e4m3fn(uchar b) {
-    const uint sign = (uint)(b & 0x80) << 24, e = (b >> 3) & 0xf, m = b & 7;
-    if (e == 0xf && m == 7) return as_float(sign | 0x7fc00000u);
-    if (e == 0) return as_float(sign | as_uint((float)m * 0x1p-9f));  // subnormal: m * 2^-6 / 8
-    return as_float(sign | ((e + 120) << 23) | (m << 20));
-}
-
-#define LOAD_0(p, i) ((p)[i])
-#define LOAD_1(p, i) vload_half((i), (const __global half *)(p))  // needs no fp16 arithmetic
-#define LOAD_2(p, i) as_float((uint)(p)[i] << 16)                  // bf16: top half of a float32
-#define LOAD_4(p, i) decode_e4m3fn((p)[i])
-#define LOAD(kind, p, i) CAT(LOAD_, kind)(p, i)
-
-// round to nearest even on the bits, as torch converts (a NaN becomes c10's bf16 NaN)
-static ushort encode_bf16(float x) {
-    const uint u = as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)0x7fc0;
-    return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-#define STORE_0(p, i, x) ((p)[i] = (x))
-#define STORE_1(p, i, x) vstore_half_rte((x), (i), (__global half *)(p))
-#define STORE_2(p, i, x) ((p)[i] = encode_bf16(x))
-#define STORE(kind, p, i, x) CAT(STORE_, kind)(p, i, x)
 
 static float load_kind(int kind, __global const void *p, ulong i) {
     if (kind == 1) return vload_half(i, (__global const half *)p);

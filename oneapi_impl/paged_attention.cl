@@ -9,41 +9,10 @@
 // rounds to the cache dtype exactly as torch does (the encoders below work on the bits, so they
 // do not depend on the device's rounding modes or denormal handling). A NaN stays a NaN; its bits
 // in a float16 / bfloat16 cache are c10's scalar ones (torch's vectorized conversions differ).
+// Kinds, loads and the decoders come from dtypes.cl.
 
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-
-// storage type of each kind: f16 and bf16 are kept as their bits
-#define TYPE_0 float
-#define TYPE_1 ushort
-#define TYPE_2 ushort
-#define TYPE_3 char
-#define TYPE_4 uchar
-#define TYPE_5 uchar
 typedef CAT(TYPE_, Q_KIND) q_t;
 typedef CAT(TYPE_, CACHE_KIND) cache_t;
-
-// ---- decoding ------------------------------------------------------------------------------
-
-static float decode_e4m3fn(uchar b) {
-    const uint sign = (uint)(b & 0x80) << 24, e = (b >> 3) & 0xf, m = b & 7;
-    if (e == 0xf && m == 7) return as_float(sign | 0x7fc00000u);  // no inf: 0x7f / 0xff are NaN
-    if (e == 0) return as_float(sign | as_uint((float)m * 0x1p-9f));  // subnormal: m * 2^-6 / 8
-    return as_float(sign | ((e + 120) << 23) | (m << 20));
-}
-
-static float decode_e5m2(uchar b) {
-    const ushort h = (ushort)b << 8;  // e5m2 is float16 with the low mantissa byte cut off
-    return vload_half(0, (const half *)&h);
-}
-
-#define LOAD_0(p, i) ((p)[i])
-#define LOAD_1(p, i) vload_half((i), (const __global half *)(p))  // needs no fp16 arithmetic
-#define LOAD_2(p, i) as_float((uint)(p)[i] << 16)                  // bf16: top half of a float32
-#define LOAD_3(p, i) ((float)(p)[i])
-#define LOAD_4(p, i) decode_e4m3fn((p)[i])
-#define LOAD_5(p, i) decode_e5m2((p)[i])
-#define LOAD(kind, p, i) CAT(LOAD_, kind)(p, i)
 
 // ---- encoding ------------------------------------------------------------------------------
 
@@ -71,11 +40,6 @@ static ushort encode_f16(float x) {
     return (ushort)(sign | min(round_magnitude(a, 10, 15), 0x7c00u));  // overflow -> inf
 }
 
-static ushort encode_bf16(float x) {
-    const uint u = as_uint(x), a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (ushort)0x7fc0;  // c10's NaN (torch's vector path gives 0xffff)
-    return (ushort)(((u >> 16) & 0x8000) | round_magnitude(a, 7, 127));  // overflow carries to inf
-}
 
 static uchar encode_e4m3fn(float x) {
     const uint u = as_uint(x), sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
