@@ -223,10 +223,15 @@ def _gather_setup(ctx, inputs, output):
     ctx.implementation = _backward_order(inputs[0], inputs[3] if len(inputs) > 3 else None)
 
 
+def gather_backward(d_rows, token_of_row, row_of_slot, implementation):
+    """d x of a gather: each token's rows summed back, a combine with unit weights."""
+    ones = torch.ones(row_of_slot.shape, dtype=reference.compute_dtype(d_rows.dtype), device=d_rows.device)
+    return moe_combine_op(d_rows, token_of_row, row_of_slot, ones, implementation)
+
+
 def _gather_backward(ctx, d_rows):
     token_of_row, row_of_slot = ctx.saved_tensors
-    ones = torch.ones(row_of_slot.shape, dtype=reference.compute_dtype(d_rows.dtype), device=d_rows.device)
-    return moe_combine_op(d_rows, token_of_row, row_of_slot, ones, ctx.implementation), None, None, None
+    return gather_backward(d_rows, token_of_row, row_of_slot, ctx.implementation), None, None, None
 
 
 moe_gather_op = define(
@@ -256,21 +261,29 @@ def _combine_setup(ctx, inputs, output):
     ctx.implementation = _backward_order(y, inputs[4] if len(inputs) > 4 else None)
 
 
-def _combine_backward(ctx, d_out):
-    y, token_of_row, row_of_slot, topk_weights = ctx.saved_tensors
-    d_y = d_weights = None
+def combine_backward(d_out, y, token_of_row, row_of_slot, topk_weights, implementation, d_y_dtype,
+                     need_y=True, need_weights=True):
+    """(d y, d topk_weights) of a combine: each row gets its token's gradient times the row's
+    routing weight (a gather, i.e. a dispatch), and d weight = <d out, y row>; None where not needed."""
     used = row_of_slot >= 0
     acc = reference.compute_dtype(y.dtype)
-    if ctx.needs_input_grad[0]:
-        # each row gets its token's gradient times the row's routing weight: a gather (dispatch)
+    d_y = d_weights = None
+    if need_y:
         weight_of_row = torch.zeros(y.shape[0], dtype=acc, device=y.device).index_put_(
             (row_of_slot.clamp(min=0).reshape(-1),), torch.where(used, topk_weights.to(acc), 0).reshape(-1),
             accumulate=True)
-        d_y = (moe_gather_op(d_out, token_of_row, row_of_slot, ctx.implementation).to(acc)
-               * weight_of_row[:, None]).to(y.dtype)
-    if ctx.needs_input_grad[3]:
+        d_y = (moe_gather_op(d_out, token_of_row, row_of_slot, implementation).to(acc)
+               * weight_of_row[:, None]).to(d_y_dtype)
+    if need_weights:
         rows = y.index_select(0, row_of_slot.clamp(min=0).reshape(-1)).view(*row_of_slot.shape, y.shape[1])
         d_weights = torch.where(used, (rows.to(acc) * d_out.to(acc)[:, None, :]).sum(dim=-1), 0).to(topk_weights.dtype)
+    return d_y, d_weights
+
+
+def _combine_backward(ctx, d_out):
+    y, token_of_row, row_of_slot, topk_weights = ctx.saved_tensors
+    d_y, d_weights = combine_backward(d_out, y, token_of_row, row_of_slot, topk_weights, ctx.implementation,
+                                      y.dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[3])
     return d_y, None, None, d_weights, None
 
 
@@ -559,19 +572,13 @@ def _fused_backward(ctx, d_out):
     gate_up = grouped_mm_op(rows, w13.transpose(1, 2), offsets, acc, impl)
     h = reference.activate(gate_up, ctx.activation).to(x.dtype)
     y = grouped_mm_op(h, w2.transpose(1, 2), offsets, acc, impl)
-    used = row_of_slot >= 0
-    weight_of_row = torch.zeros(rows.shape[0], dtype=acc, device=x.device).index_put_(
-        (row_of_slot.clamp(min=0).reshape(-1),), torch.where(used, topk_weights.to(acc), 0).reshape(-1), accumulate=True)
-    d_y = (moe_gather_op(d_out, token_of_row, row_of_slot, impl).to(acc) * weight_of_row[:, None]).to(x.dtype)
-    picked = y.index_select(0, row_of_slot.clamp(min=0).reshape(-1)).view(*row_of_slot.shape, y.shape[1])
-    d_weights = torch.where(used, (picked * d_out.to(acc)[:, None, :]).sum(dim=-1), 0).to(topk_weights.dtype)
+    d_y, d_weights = combine_backward(d_out, y, token_of_row, row_of_slot, topk_weights, impl, x.dtype)
     d_h = grouped_mm_op(d_y, w2, offsets, acc, impl)
     d_w2 = grouped_mm_weight_grad_op(d_y, h, offsets, w2.shape[0], w2.dtype, impl)
     d_gate_up = activation_backward(gate_up, d_h, ctx.activation).to(x.dtype)
     d_rows = grouped_mm_op(d_gate_up, w13, offsets, x.dtype, impl)
     d_w13 = grouped_mm_weight_grad_op(d_gate_up, rows, offsets, w13.shape[0], w13.dtype, impl)
-    ones = torch.ones(row_of_slot.shape, dtype=acc, device=x.device)
-    d_x = moe_combine_op(d_rows, token_of_row, row_of_slot, ones, impl)
+    d_x = gather_backward(d_rows, token_of_row, row_of_slot, impl)
     return d_x, d_w13, d_w2, d_weights, None, None, None, None, None, None
 
 
