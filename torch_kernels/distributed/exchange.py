@@ -1,0 +1,422 @@
+"""Expert-parallel dispatch and combine over a ``torch.distributed`` process group.
+
+The group's ranks play two parts: *token ranks* hold tokens and route them, *expert ranks* hold
+the experts, split contiguously (expert ``e`` lives on ``expert_ranks[e // (E / N)]``). Expert
+parallelism is every rank playing both; attention-FFN disaggregation is attention ranks holding
+tokens and FFN ranks holding experts. Both run on this one mechanism:
+
+1. each token rank sorts its token copies by expert (``sort_by_expert``, as on one device), so the
+   rows for each destination rank are contiguous;
+2. ``all_to_all_single`` sends the per-expert counts, then the rows;
+3. each expert rank reorders what it received by local expert (sources in rank order, tokens in
+   order within a source) and returns it with local ``offsets``, as ``moe_dispatch`` does;
+4. combine runs the same exchange backwards and reduces each token's rows with the single-device
+   ``moe_combine``, so the reduction order (and hence the result) is the one-device one.
+
+An exchange is a placement of rows into a send buffer, one ``all_to_all_single``, and a gather
+from the receive buffer, all differentiable, so the backward of a dispatch is a combine-direction
+exchange and the reverse. Collectives are PyTorch's functional ones: they are issued at once and
+waited for when their result is used (``PendingDispatch.wait``), so a caller can compute while
+rows travel, and they trace under ``torch.compile``.
+
+Exact mode learns the split sizes from the counts (one host sync). Fixed-capacity mode
+(``max_tokens_per_rank``) sends each expert rank a buffer of ``max_tokens_per_rank * k`` rows, the
+most a rank can route to it, so nothing waits on the host and nothing can overflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .. import _checks, backends
+from ..ops import moe as moe_ops
+from ..reference import moe as reference
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128  # columns per float32 scale, as DeepEP sends
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which ranks of ``group`` send tokens and which hold experts (group ranks, ascending)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    num_experts: int
+    expert_ranks: tuple[int, ...]
+    token_ranks: tuple[int, ...]
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // len(self.expert_ranks)
+
+    def local_experts(self, rank: int | None = None) -> range:
+        """The experts ``rank`` (default this one) holds; empty for a rank without experts."""
+        rank = self.rank if rank is None else rank
+        if rank not in self.expert_ranks:
+            return range(0)
+        first = self.expert_ranks.index(rank) * self.experts_per_rank
+        return range(first, first + self.experts_per_rank)
+
+
+def _ranks(name: str, ranks, world: int) -> tuple[int, ...]:
+    if ranks is None:
+        return tuple(range(world))
+    ranks = tuple(ranks)
+    if not ranks or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks):
+        raise TypeError(f"{name}: expected a non-empty sequence of group ranks, got {ranks!r}")
+    if list(ranks) != sorted(set(ranks)) or ranks[0] < 0 or ranks[-1] >= world:
+        raise ValueError(f"{name}: expected distinct ascending ranks in [0, {world}), got {list(ranks)}")
+    return tuple(int(r) for r in ranks)
+
+
+def make_layout(group, num_experts: int, expert_ranks=None, token_ranks=None) -> Layout:
+    """A :class:`Layout`, checked: ``num_experts`` must split evenly over the expert ranks."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    world = dist.get_world_size(group)
+    experts, tokens = _ranks("expert_ranks", expert_ranks, world), _ranks("token_ranks", token_ranks, world)
+    if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts: expected an int >= 1, got {num_experts!r}")
+    if num_experts % len(experts):
+        raise ValueError(f"num_experts: expected a multiple of the {len(experts)} expert ranks of the group "
+                         f"(each holds E / {len(experts)} experts), got {num_experts}")
+    return Layout(group, dist.get_rank(group), world, int(num_experts), experts, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One direction of an exchange: input row ``i`` goes to row ``send_pos[i]`` of a send buffer
+    split ``send_splits`` over the ranks (position ``sum(send_splits)``: not sent); output row ``o``
+    is row ``recv_pos[o]`` of the receive buffer (position ``sum(recv_splits)``: a zero row)."""
+
+    send_pos: torch.Tensor
+    send_splits: list[int]
+    recv_pos: torch.Tensor
+    recv_splits: list[int]
+
+    def reverse(self) -> Route:
+        return Route(self.recv_pos, self.recv_splits, self.send_pos, self.send_splits)
+
+
+def _place(rows: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows at their positions in a ``[size, ...]`` buffer; position ``size`` is discarded."""
+    return rows.new_zeros(size + 1, *rows.shape[1:]).index_copy(0, pos, rows)[:size]
+
+
+def _pick(buffer: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Buffer rows at ``pos``; position ``len(buffer)`` reads a zero row."""
+    return torch.cat([buffer, buffer.new_zeros(1, *buffer.shape[1:])]).index_select(0, pos)
+
+
+def _all_to_all(buffer: torch.Tensor, route: Route, group) -> torch.Tensor:
+    """Issued now, waited for when the result is used. Under grad mode every rank takes part in
+    the backward exchange, even one whose own rows need no gradient: its peers' rows do."""
+    if not torch.is_grad_enabled():
+        return funcol.all_to_all_single(buffer, route.recv_splits, route.send_splits, group)
+    if not buffer.requires_grad:
+        buffer = buffer.detach().requires_grad_()
+    return funcol.all_to_all_single_autograd(buffer, route.recv_splits, route.send_splits, group)
+
+
+def _failed(what: str, layout: Layout, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"{what}: the all-to-all over the group failed on rank {layout.rank} of {layout.world} (a peer rank "
+        f"failed, left, or did not reach the exchange within the group's timeout): {error}")
+
+
+def _waited(tensor: torch.Tensor, what: str, layout: Layout) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return tensor
+    try:
+        return funcol.wait_tensor(tensor)
+    except (RuntimeError, dist.DistBackendError) as error:
+        raise _failed(what, layout, error) from error
+
+
+# ---- fp8 rows on the wire ----
+
+def pack_fp8(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, H]`` -> uint8 ``[n, H + 4 ceil(H / 128)]``: float8_e4m3fn entries, then one float32
+    scale (``amax / 448``) per 128 columns, so one exchange carries both."""
+    n, hidden = rows.shape
+    blocks = -(-hidden // FP8_BLOCK)
+    padded = torch.nn.functional.pad(rows.float(), (0, blocks * FP8_BLOCK - hidden)).view(n, blocks, FP8_BLOCK)
+    amax = padded.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    entries = (padded / scale[..., None]).to(FP8).view(n, blocks * FP8_BLOCK)[:, :hidden]
+    return torch.cat([entries.view(torch.uint8), scale.view(torch.uint8).view(n, 4 * blocks)], dim=1)
+
+
+def unpack_fp8(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`pack_fp8`, in ``dtype``."""
+    n = packed.shape[0]
+    blocks = -(-hidden // FP8_BLOCK)
+    entries = packed[:, :hidden].contiguous().view(FP8).float()
+    scale = packed[:, hidden:].contiguous().view(torch.float32).view(n, blocks)
+    padded = torch.nn.functional.pad(entries, (0, blocks * FP8_BLOCK - hidden)).view(n, blocks, FP8_BLOCK)
+    return (padded * scale[..., None]).view(n, blocks * FP8_BLOCK)[:, :hidden].to(dtype)
+
+
+class _Fp8Exchange(torch.autograd.Function):
+    """Rows sent as float8 with block scales; the gradient returns in full precision (the
+    quantization is treated as the identity, a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, rows, route, layout):
+        ctx.route, ctx.layout = route, layout
+        sent = _all_to_all(_place(pack_fp8(rows), route.send_pos, sum(route.send_splits)), route, layout.group)
+        received = _waited(sent, "moe_dispatch", layout)
+        return unpack_fp8(_pick(received, route.recv_pos), rows.shape[1], rows.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return exchange(d_out, ctx.route.reverse(), ctx.layout, "moe_dispatch backward"), None, None
+
+
+def exchange(rows: torch.Tensor, route: Route, layout: Layout, what: str) -> torch.Tensor:
+    """Rows moved along ``route`` (differentiable; the backward is the reverse route)."""
+    sent = _all_to_all(_place(rows, route.send_pos, sum(route.send_splits)), route, layout.group)
+    return _pick(_waited(sent, what, layout), route.recv_pos)
+
+
+# ---- dispatch ----
+
+@dataclasses.dataclass(frozen=True)
+class EPHandle:
+    """What :func:`moe_combine` needs from an expert-parallel :func:`moe_dispatch`: the local
+    sort (a single-device :class:`~torch_kernels.MoEHandle`), the route the rows took, the layout."""
+
+    local: moe_ops.MoEHandle
+    route: Route
+    layout: Layout
+    implementation: str | None
+
+    @property
+    def num_received(self) -> int:
+        """Rows this rank received (its experts' batch, padding included in fixed-capacity mode)."""
+        return self.route.recv_pos.shape[0]
+
+
+def _counts_to_send(offsets: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """int64 ``[world, E / N]``: how many of this rank's rows go to each expert of each rank."""
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    per_rank = counts.new_zeros(layout.world, layout.experts_per_rank)
+    return per_rank.index_copy(0, torch.tensor(layout.expert_ranks, device=counts.device),
+                               counts.view(len(layout.expert_ranks), -1))
+
+
+def _receive_order(counts: torch.Tensor, recv_splits: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(recv_pos [rows], offsets int32 [E / N])``: the received rows (source blocks, each sorted by
+    local expert) reordered by local expert, sources in rank order within an expert.
+
+    ``counts[s, e]`` is how many rows source ``s`` sent for local expert ``e``; ``rows`` is the
+    output length (the receive buffer's, padding included)."""
+    device = counts.device
+    size = sum(recv_splits)
+    ends = torch.tensor(recv_splits, device=device).cumsum(0)
+    pos = torch.arange(size, device=device)
+    source = torch.searchsorted(ends, pos, right=True)
+    within = pos - (ends - torch.tensor(recv_splits, device=device))[source]  # row index inside its source block
+    ends_by_expert = counts.cumsum(1)  # [world, E/N], per source
+    expert = torch.searchsorted(ends_by_expert[source], within[:, None], right=True).squeeze(1)
+    valid = within < ends_by_expert[source, -1]
+    expert = expert.clamp(max=counts.shape[1] - 1)
+    index_in_run = within - (ends_by_expert - counts)[source, expert]
+    per_expert = counts.sum(0)
+    expert_start = per_expert.cumsum(0) - per_expert
+    earlier_sources = counts.cumsum(0) - counts  # rows of the same expert from lower ranks
+    out = expert_start[expert] + earlier_sources[source, expert] + index_in_run
+    recv_pos = torch.full((rows + 1,), size, dtype=torch.int64, device=device)
+    recv_pos = recv_pos.scatter(0, torch.where(valid, out, rows), pos)[:rows]
+    return recv_pos, per_expert.cumsum(0).to(torch.int32)
+
+
+class PendingDispatch:
+    """A dispatch in flight: :meth:`wait` returns ``(rows, offsets, handle)``."""
+
+    def __init__(self, x_sorted, local, layout, counts, send_splits, recv_splits, send_pos, payload, fp8,
+                 implementation):
+        self._x_sorted, self._local, self._layout = x_sorted, local, layout
+        self._counts, self._send_splits, self._recv_splits = counts, send_splits, recv_splits
+        self._send_pos, self._payload, self._fp8, self._implementation = send_pos, payload, fp8, implementation
+
+    def wait(self):
+        layout = self._layout
+        counts = _waited(self._counts, "moe_dispatch", layout).view(layout.world, layout.experts_per_rank)
+        recv_pos, offsets = _receive_order(counts, self._recv_splits, sum(self._recv_splits))
+        if layout.rank not in layout.expert_ranks:
+            offsets = offsets[:0]
+        route = Route(self._send_pos, self._send_splits, recv_pos, self._recv_splits)
+        if self._fp8:
+            rows = _Fp8Exchange.apply(self._x_sorted, route, layout)
+        else:
+            rows = _pick(_waited(self._payload, "moe_dispatch", layout), recv_pos)
+        return rows, offsets, EPHandle(self._local, route, layout, self._implementation)
+
+
+def _check_dispatch(x, topk_ids, layout: Layout, max_tokens_per_rank, dispatch_dtype) -> None:
+    _checks.tensor("x", x, ndim=2, dtypes=moe_ops.FLOAT_DTYPES)
+    _checks.tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    _checks.size("topk_ids", 0, topk_ids.shape[0], x.shape[0], "tokens T of x")
+    if layout.rank not in layout.token_ranks and x.shape[0]:
+        raise ValueError(f"x: rank {layout.rank} is not one of the token ranks {list(layout.token_ranks)}, so it "
+                         f"routes no tokens; expected 0 rows, got {x.shape[0]}")
+    if max_tokens_per_rank is not None:
+        if not isinstance(max_tokens_per_rank, numbers.Integral) or isinstance(max_tokens_per_rank, bool):
+            raise TypeError(f"max_tokens_per_rank: expected None or an int, got {type(max_tokens_per_rank).__name__}")
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
+        if x.shape[0] > max_tokens_per_rank:
+            raise ValueError(f"x: expected at most max_tokens_per_rank={max_tokens_per_rank} tokens (the capacity "
+                             f"every rank's buffers are sized for), got {x.shape[0]}")
+    if dispatch_dtype not in (None, FP8, x.dtype):
+        raise TypeError(f"dispatch_dtype: expected None, x's dtype or torch.float8_e4m3fn, got {dispatch_dtype}")
+
+
+def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None,
+                   max_tokens_per_rank=None, dispatch_dtype=None, implementation=None) -> PendingDispatch:
+    """Issue an expert-parallel dispatch; see :func:`moe_dispatch` for the arguments.
+
+    Returns at once in fixed-capacity mode; exact mode first waits for the counts (the split sizes
+    must be known on the host before the rows can be sent)."""
+    layout = make_layout(group, num_experts, expert_ranks, token_ranks)
+    _check_dispatch(x, topk_ids, layout, max_tokens_per_rank, dispatch_dtype)
+    _checks.same_device(x=x, topk_ids=topk_ids)
+    implementation = backends.implementation_arg(implementation)
+    if not torch.compiler.is_compiling():
+        moe_ops.check_ids_range(topk_ids, num_experts)
+    token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
+    local = moe_ops.MoEHandle(token_of_row, row_of_slot, int(num_experts))
+    x_sorted = moe_ops.moe_gather_op(x, token_of_row, row_of_slot, implementation)
+    send_counts = _counts_to_send(offsets, layout)
+    recv_counts = funcol.all_to_all_single(send_counts.view(-1), None, None, group)
+    rows = x_sorted.shape[0]
+    if max_tokens_per_rank is None:
+        splits = torch.stack([send_counts.sum(1), _waited(recv_counts, "moe_dispatch", layout).view(
+            layout.world, -1).sum(1)]).tolist()
+        send_splits, recv_splits = splits
+        send_pos = torch.arange(rows, device=x.device).clamp_(max=sum(send_splits))
+    else:
+        capacity = max_tokens_per_rank * topk_ids.shape[1]
+        sending, receiving = layout.rank in layout.token_ranks, layout.rank in layout.expert_ranks
+        send_splits = [capacity if sending and r in layout.expert_ranks else 0 for r in range(layout.world)]
+        recv_splits = [capacity if receiving and s in layout.token_ranks else 0 for s in range(layout.world)]
+        send_pos = _capacity_positions(offsets, rows, layout, capacity)
+    fp8 = dispatch_dtype == FP8
+    route_out = Route(send_pos, send_splits, send_pos, recv_splits)  # recv_pos is known only after the counts
+    payload = None if fp8 else _all_to_all(_place(x_sorted, send_pos, sum(send_splits)), route_out, group)
+    return PendingDispatch(x_sorted, local, layout, recv_counts, send_splits, recv_splits, send_pos, payload, fp8,
+                           implementation)
+
+
+def _capacity_positions(offsets: torch.Tensor, rows: int, layout: Layout, capacity: int) -> torch.Tensor:
+    """Row ``j`` of the sorted rows -> its place in the send buffer, ``capacity`` rows per expert
+    rank (dropped rows: past the buffer)."""
+    device = offsets.device
+    ends = offsets.long()
+    j = torch.arange(rows, device=device)
+    expert = torch.searchsorted(ends, j, right=True)  # num_experts for dropped rows
+    destination = expert // layout.experts_per_rank
+    per_rank = layout.experts_per_rank
+    first_row = torch.cat([ends.new_zeros(1), ends])[::per_rank]  # first sorted row of each expert rank
+    pos = destination * capacity + j - first_row[destination.clamp(max=len(first_row) - 1)]
+    return torch.where(expert < layout.num_experts, pos, capacity * len(layout.expert_ranks))
+
+
+def moe_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None, max_tokens_per_rank=None,
+                 dispatch_dtype=None, implementation=None):
+    """Send each token copy to the rank holding its expert.
+
+    Args:
+        x: ``[T, H]`` this rank's tokens (``T`` may differ across ranks; 0 on ranks without tokens).
+        topk_ids: ``[T, k]`` global expert ids; -1 is a dropped slot.
+        num_experts: ``E``, a multiple of the number of expert ranks ``N``.
+        group: the ``torch.distributed`` process group; every rank of it must call this.
+        expert_ranks, token_ranks: group ranks holding experts and tokens (default: all of them).
+        max_tokens_per_rank: fixed-capacity mode (no host sync, traceable by ``torch.compile``):
+            the most tokens any rank passes; every rank must pass the same value.
+        dispatch_dtype: ``torch.float8_e4m3fn`` sends the rows as float8 with a float32 scale per
+            128 columns (about half the bytes of bfloat16); received rows come back in x's dtype.
+
+    Returns:
+        ``(rows [n, H], offsets int32 [E / N], handle)``: the rows for this rank's experts sorted
+        by local expert (sources in rank order, then token order), with cumulative ``offsets`` as
+        :func:`~torch_kernels.grouped_mm` takes them; in fixed-capacity mode ``n`` is the receive
+        buffer's size and rows past ``offsets[-1]`` are zero. ``offsets`` is empty on a rank
+        without experts. Differentiable in ``x`` (the backward is a combine-direction exchange).
+    """
+    return start_dispatch(x, topk_ids, num_experts, group, expert_ranks=expert_ranks, token_ranks=token_ranks,
+                          max_tokens_per_rank=max_tokens_per_rank, dispatch_dtype=dispatch_dtype,
+                          implementation=implementation).wait()
+
+
+# ---- combine ----
+
+class PendingCombine:
+    """A combine in flight: :meth:`wait` returns the combined ``[T, N]``."""
+
+    def __init__(self, returned, handle: EPHandle, topk_weights):
+        self._returned, self._handle, self._weights = returned, handle, topk_weights
+
+    def wait(self) -> torch.Tensor:
+        handle = self._handle
+        rows = _pick(_waited(self._returned, "moe_combine", handle.layout), handle.route.send_pos)
+        return moe_ops.moe_combine_op(rows, handle.local.token_of_row, handle.local.row_of_slot, self._weights,
+                                      handle.implementation)
+
+
+def start_combine(y, handle: EPHandle, topk_weights) -> PendingCombine:
+    """Issue the return of expert outputs; see :func:`moe_combine`."""
+    _checks.tensor("y", y, ndim=2, dtypes=moe_ops.FLOAT_DTYPES)
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f"handle: expected the EPHandle of a moe_dispatch with a group, got {type(handle).__name__}")
+    _checks.size("y", 0, y.shape[0], handle.num_received, "rows this rank received in the dispatch")
+    _checks.tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    if tuple(topk_weights.shape) != tuple(handle.local.row_of_slot.shape):
+        raise ValueError(f"topk_weights: expected shape {tuple(handle.local.row_of_slot.shape)} (T, k of the "
+                         f"dispatch), got {tuple(topk_weights.shape)}")
+    back = handle.route.reverse()
+    returned = _all_to_all(_place(y, back.send_pos, sum(back.send_splits)), back, handle.layout.group)
+    return PendingCombine(returned, handle, topk_weights)
+
+
+def moe_combine(y, handle: EPHandle, topk_weights) -> torch.Tensor:
+    """Return expert outputs to the ranks that sent the tokens and reduce them there.
+
+    Args:
+        y: ``[n, N]`` outputs for the rows :func:`moe_dispatch` returned on this rank, same order.
+        handle: that dispatch's :class:`EPHandle`.
+        topk_weights: ``[T, k]`` this rank's routing weights (``[0, k]`` on a rank without tokens).
+
+    Returns:
+        ``[T, N]`` in y's dtype, reduced exactly as the single-device ``moe_combine`` (float32, in
+        the order of each token's choices). Differentiable in ``y`` (a dispatch-direction exchange)
+        and ``topk_weights``.
+    """
+    return start_combine(y, handle, topk_weights).wait()
+
+
+# ---- the experts on the received rows ----
+
+def local_expert_ids(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 ``[rows, 1]``: each sorted row's local expert, -1 past ``offsets[-1]`` (no host sync)."""
+    expert = torch.searchsorted(offsets.long(), torch.arange(rows, device=offsets.device), right=True)
+    return torch.where(expert < offsets.shape[0], expert, -1)[:, None]
+
+
+def expert_forward(rows, offsets, w13, w2, activation: str = "silu", implementation=None) -> torch.Tensor:
+    """This rank's experts on the rows a dispatch returned: :func:`~torch_kernels.fused_moe` with
+    each row routed to its local expert at weight 1 (padding rows give zeros).
+
+    ``w13 [E / N, 2I, H]`` and ``w2 [E / N, H, I]`` are this rank's slices of the experts."""
+    ids = local_expert_ids(offsets, rows.shape[0])
+    ones = torch.ones(ids.shape, dtype=reference.compute_dtype(rows.dtype), device=rows.device)
+    return moe_ops.fused_moe(rows, w13, w2, ones, ids, activation, implementation=implementation)
