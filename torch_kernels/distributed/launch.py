@@ -43,8 +43,9 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
     ``fn`` must be importable (a module-level function). The group's collectives time out after
-    ``timeout`` seconds; a rank still running ``timeout`` seconds after the others have ended is
-    killed. Raises :class:`RankFailed` with every failing rank's traceback.
+    ``timeout`` seconds, so a rank waiting on a dead peer fails with its own error; a rank that
+    sends no news for ``2 * timeout + 30`` seconds is killed. Raises :class:`RankFailed` with every
+    failing rank's traceback.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -55,7 +56,8 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
         for process in processes:
             process.start()
         values, errors = {}, {}
-        deadline = time.monotonic() + timeout
+        patience = 2 * timeout + 30
+        deadline = time.monotonic() + patience
         while len(values) + len(errors) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -64,14 +66,14 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
                     continue
                 for rank, process in enumerate(processes):
                     if rank not in values and rank not in errors:
-                        errors[rank] = (f"did not finish within {timeout:g} s" if process.is_alive()
+                        errors[rank] = (f"sent no news for {patience:g} s" if process.is_alive()
                                         else f"exited with code {process.exitcode} without a result")
                 break
             if ok:
                 values[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
-            deadline = time.monotonic() + timeout  # each rank gets the timeout after the last news
+            deadline = time.monotonic() + patience
         for process in processes:
             process.join(timeout=5)
             if process.is_alive():

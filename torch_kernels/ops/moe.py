@@ -308,8 +308,15 @@ def check_ids_range(topk_ids, num_experts: int) -> None:
                                       f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")])
 
 
-def moe_dispatch(x, topk_ids, num_experts, implementation=None):
+def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, max_tokens_per_rank=None,
+                 dispatch_dtype=None):
     """Copies of each token's row, one per chosen expert, sorted by expert.
+
+    With a ``torch.distributed`` ``group``, the experts are split contiguously over its ranks and
+    each copy goes to the rank holding its expert: see
+    :func:`torch_kernels.distributed.moe_dispatch` (which also takes ``max_tokens_per_rank`` for
+    fixed-capacity buffers and ``dispatch_dtype=torch.float8_e4m3fn``); the result has the same
+    shape of ``(rows, offsets, handle)`` with this rank's experts only.
 
     Args:
         x: ``[T, H]`` tokens, float16, bfloat16 or float32.
@@ -324,6 +331,14 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None):
         take; the :class:`MoEHandle` is what :func:`moe_combine` needs. Differentiable in ``x``
         (its backward is a combine).
     """
+    if group is not None:
+        from ..distributed import exchange
+
+        return exchange.moe_dispatch(x, topk_ids, num_experts, group, max_tokens_per_rank=max_tokens_per_rank,
+                                     dispatch_dtype=dispatch_dtype, implementation=implementation)
+    if max_tokens_per_rank is not None or dispatch_dtype is not None:
+        raise ValueError("max_tokens_per_rank, dispatch_dtype: expected None without a group (they size and "
+                         f"encode the exchange between ranks), got {max_tokens_per_rank!r} and {dispatch_dtype!r}")
     _checks.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if not _is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts: expected an int >= 1, got {num_experts!r}")
@@ -343,12 +358,18 @@ def moe_combine(y, handle, topk_weights, implementation=None):
 
     Args:
         y: ``[T * k, N]`` expert outputs in the order :func:`moe_dispatch` returned the rows.
-        handle: the :class:`MoEHandle` of that dispatch.
+        handle: the :class:`MoEHandle` of that dispatch (or the ``EPHandle`` of a dispatch with a
+            group: the outputs then return to the ranks the tokens came from and are reduced
+            there, see :func:`torch_kernels.distributed.moe_combine`).
         topk_weights: ``[T, k]`` routing weights (any float dtype; used in float32).
 
     Returns:
         ``[T, N]`` in ``y``'s dtype; differentiable in ``y`` (a dispatch) and ``topk_weights``.
     """
+    from ..distributed import exchange
+
+    if isinstance(handle, exchange.EPHandle):
+        return exchange.moe_combine(y, handle, topk_weights)
     _checks.tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
     if not isinstance(handle, MoEHandle):
         raise TypeError(f"handle: expected the MoEHandle that moe_dispatch returned, got {type(handle).__name__}")
