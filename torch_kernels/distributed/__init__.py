@@ -1,15 +1,21 @@
 """MoE across ranks on ``torch.distributed``: expert parallelism and attention-FFN disaggregation.
 
-:mod:`.exchange` moves token copies to the ranks holding their experts and back
-(``moe_dispatch`` / ``moe_combine`` with a process group).
+- :mod:`.exchange`: token copies to the ranks holding their experts and back (``moe_dispatch`` /
+  ``moe_combine`` with a process group), exact, fixed-capacity or fp8 on the wire.
+- :mod:`.expert_parallel`: :class:`ExpertParallel` shards a transformers MoE model's experts.
+- :mod:`.launch`: :func:`run_local` runs a function on local processes joined in a group.
 """
 
 from .exchange import (
     EPHandle, Layout, PendingCombine, PendingDispatch, expert_forward, make_layout, moe_combine, moe_dispatch,
     start_combine, start_dispatch,
 )
+from .expert_parallel import ExpertParallel, ExpertShard, all_reduce_replicated_grads, replicated_parameters
+from .launch import RankFailed, run_local
 
 __all__ = [
     "EPHandle", "Layout", "PendingCombine", "PendingDispatch", "expert_forward", "make_layout", "moe_combine",
     "moe_dispatch", "start_combine", "start_dispatch",
+    "ExpertParallel", "ExpertShard", "all_reduce_replicated_grads", "replicated_parameters",
+    "RankFailed", "run_local",
 ]

@@ -21,7 +21,9 @@ rows travel, and they trace under ``torch.compile``.
 
 Exact mode learns the split sizes from the counts (one host sync). Fixed-capacity mode
 (``max_tokens_per_rank``) sends each expert rank a buffer of ``max_tokens_per_rank * k`` rows, the
-most a rank can route to it, so nothing waits on the host and nothing can overflow.
+most a rank can route to it, so the exchange never waits on the host and nothing can overflow.
+(In eager mode both check the expert ids with one local host sync before anything is sent; under
+``torch.compile`` that check is left out, as for the single-device ops.)
 """
 
 from __future__ import annotations

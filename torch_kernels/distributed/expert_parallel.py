@@ -165,7 +165,8 @@ class ExpertParallel:
         Raises ``ValueError`` (and changes nothing) when ``model`` has no experts module, one that
         ``fused_moe`` does not compute (see :func:`torch_kernels.integrations.transformers.supports`),
         one already sharded, or an expert count that is not a multiple of the group size. Afterwards
-        ``state_dict()`` holds this rank's slices only.
+        ``state_dict()`` holds this rank's slices only, and the experts must keep this implementation
+        (another one would read the local slice with global expert ids).
         """
         from ..integrations import transformers as integration
 
