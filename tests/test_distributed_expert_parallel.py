@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the [test] extra)")
+import transformers
 
 import torch_kernels.integrations.transformers  # noqa: E402,F401 - registers "torch_kernels", the reference
 from torch_kernels.distributed import expert_parallel as ep  # noqa: E402
