@@ -23,7 +23,7 @@ Exact mode learns the split sizes from the counts (one host sync). Fixed-capacit
 (``max_tokens_per_rank``) sends each expert rank a buffer of ``max_tokens_per_rank * k`` rows, the
 most a rank can route to it, so the exchange never waits on the host and nothing can overflow.
 (In eager mode both check the expert ids with one local host sync before anything is sent; under
-``torch.compile`` that check is left out, as for the single-device ops.)
+``torch.compile`` and while a CUDA graph is captured that check is left out.)
 """
 
 from __future__ import annotations
@@ -110,12 +110,15 @@ class Route:
 
 def _place(rows: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
     """Rows at their positions in a ``[size, ...]`` buffer; position ``size`` is discarded."""
-    return rows.new_zeros(size + 1, *rows.shape[1:]).index_copy(0, pos, rows)[:size]
+    return rows.new_zeros(size + 1, *rows.shape[1:]).index_copy_(0, pos, rows)[:size]
 
 
 def _pick(buffer: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Buffer rows at ``pos``; position ``len(buffer)`` reads a zero row."""
-    return torch.cat([buffer, buffer.new_zeros(1, *buffer.shape[1:])]).index_select(0, pos)
+    size = buffer.shape[0]
+    if size == 0:  # still from the buffer: its backward exchange must run on every rank
+        return torch.cat([buffer, buffer.new_zeros(1, *buffer.shape[1:])]).index_select(0, pos)
+    return buffer.index_select(0, pos.clamp(max=size - 1)).masked_fill_((pos == size)[:, None], 0)
 
 
 def _all_to_all(buffer: torch.Tensor, route: Route, group) -> torch.Tensor:
@@ -293,7 +296,8 @@ def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_
     _check_dispatch(x, topk_ids, layout, max_tokens_per_rank, dispatch_dtype)
     _checks.same_device(x=x, topk_ids=topk_ids)
     implementation = backends.implementation_arg(implementation)
-    if not torch.compiler.is_compiling():
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph cannot read back
+    if not torch.compiler.is_compiling() and not capturing:
         moe_ops.check_ids_range(topk_ids, num_experts)
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
     local = moe_ops.MoEHandle(token_of_row, row_of_slot, int(num_experts))

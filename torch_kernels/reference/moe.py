@@ -85,17 +85,19 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 def moe_gather(x, token_of_row):
     rows = x.index_select(0, token_of_row.clamp(min=0))
-    return rows.masked_fill((token_of_row < 0)[:, None], 0)
+    return rows.masked_fill_((token_of_row < 0)[:, None], 0)
 
 
 def moe_combine(y, row_of_slot, weights, out_dtype):
     acc_dtype = compute_dtype(y.dtype)
-    rows = y.index_select(0, row_of_slot.reshape(-1).clamp(min=0)).view(*row_of_slot.shape, y.shape[1]).to(acc_dtype)
-    used = (row_of_slot >= 0)[..., None]
-    terms = torch.where(used, rows * weights[..., None].to(acc_dtype), 0)  # a dropped slot's row is never read
-    out = terms[:, 0]
-    for j in range(1, row_of_slot.shape[1]):  # in slot order: deterministic, as the kernels
-        out = out + terms[:, j]
+    out = None
+    # one choice at a time, in slot order (deterministic, as the kernels), [T, N] at a time so that
+    # the float32 terms stay in cache
+    for j in range(row_of_slot.shape[1]):
+        slot = row_of_slot[:, j]
+        term = y.index_select(0, slot.clamp(min=0)).to(acc_dtype).mul_(weights[:, j, None].to(acc_dtype))
+        term.masked_fill_((slot < 0)[:, None], 0)  # a dropped slot's row is never read
+        out = term if out is None else out.add_(term)
     return out.to(out_dtype)
 
 
