@@ -242,11 +242,11 @@ def make_linear(case):
     return x
 
 
-def _relative_rmse(got, want) -> float:
+def _relative_rmse(got, want, floor: float = 1e-12) -> float:
     got, want = got.detach().double(), want.detach().double()
     if want.numel() == 0:
         return 0.0
-    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-12)).item()
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(floor)).item()
 
 
 def _outputs_and_grads(op, x, backend=None):
@@ -285,8 +285,11 @@ def test_linear_attention_fuzz(backend):
         got_o, got_ht, got = _outputs_and_grads(case["op"], x, backend)
         want_o, want_ht, want = _outputs_and_grads(case["op"], x)
         errors = {"o": _relative_rmse(got_o, want_o), "final_state": _relative_rmse(got_ht, want_ht)}
+        # a gradient that is exactly zero in float64 (g = 0, beta = 1, K = 1) comes out as float32
+        # rounding residue: measure it against a thousandth of the output's scale, not against zero
+        floor = 1e-3 * want_o.detach().double().square().mean().sqrt().item() if want_o.numel() else 1e-12
         for name, g in want.items():
-            errors[name] = _relative_rmse(got[name], g)
+            errors[name] = _relative_rmse(got[name], g, max(floor, 1e-12))
         bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= BOUNDS[n]}
         assert not bad, f"relative RMSE over bounds: {bad}"
 
