@@ -12,6 +12,7 @@ from .ops.ood import mahalanobis_score
 from .ops.linear_attention import chunk_gated_delta_rule, chunk_simple_gla, fused_recurrent_gated_delta_rule
 from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
 from .ops.moe import MoEHandle, fused_moe, grouped_mm, moe_combine, moe_dispatch, router_topk
+from .ops.quantized_attention import quantized_attention, quantized_sdpa
 from . import ood
 
 
@@ -43,6 +44,8 @@ __all__ = [
     "moe_combine",
     "fused_moe",
     "MoEHandle",
+    "quantized_attention",
+    "quantized_sdpa",
     "ood",
     "torchax_environment",
 ]

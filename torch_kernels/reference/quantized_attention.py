@@ -1,0 +1,307 @@
+"""Quantized attention (SageAttention's recipe) in plain PyTorch: INT8 QK^T, float32 online softmax.
+
+The kernel contract every backend follows (inputs already checked and contiguous by
+``torch_kernels.ops.quantized_attention``):
+
+- ``quantized_attention(q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, D], k_mean, sm_scale,
+  causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k) -> (out [B, Hq, Nq, D] in q's dtype,
+  lse float32 [B, Hq, Nq])``. ``k_mean`` is float32 ``[S, Hkv, D]`` (:func:`key_mean`, computed
+  once by the op so that every backend smooths with the same numbers) or None without smoothing;
+  ``cu_seqlens_*`` are int64 ``[S + 1]`` with ``B = 1``, or None (then ``S = B``).
+- ``quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q,
+  cu_seqlens_k) -> (dq, dk, dv)``: the gradient of exact attention (see :func:`attention_backward`).
+
+The numbers, fixed so that Triton / Pallas / SYCL kernels reproduce the int8 values and scales
+bit for bit (P.V and the softmax agree to rounding, not bitwise):
+
+1. Sequences. Without ``cu_seqlens`` each batch element is one sequence; with them, sequence
+   ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows likewise. Row
+   indices below (``i`` for queries, ``j`` for keys) count from the sequence's first token, so
+   quantization groups never straddle two sequences.
+2. K smoothing: ``k_s = float32(k) - k_mean[s, h]``, the mean over the sequence's tokens. Softmax
+   is invariant to a shift of a row's scores, and smoothing shifts row ``i`` by
+   ``sm_scale * q_i . k_mean`` only; the lse adds that back.
+3. Queries: ``q' = float32(q) * c`` with ``c = float32(sm_scale * log2(e))`` (so scores come out
+   in base 2 and the softmax uses exp2). Per group ``g`` of rows: ``amax = max |q'|``,
+   ``scale = amax / 127`` (1 where amax is 0), ``q_int8 = clamp(round_half_even(q' / scale),
+   -127, 127)`` with IEEE float32 division. Keys: the same on ``k_s`` with ``c = 1``.
+4. Groups (``granularity``), with ``BLOCK_Q = 128``, ``BLOCK_K = 64``, ``WARP_Q = 32``:
+
+   ============  ==========================================  ======================================
+   granularity   query row ``i`` belongs to group            key row ``j`` belongs to group
+   ============  ==========================================  ======================================
+   per_block     ``i // 128``                                ``j // 64``
+   per_warp      ``i // 32`` (a 128-row tile, 4 warps)       ``j // 64`` (every warp reads the tile)
+   per_thread    ``(i // 32, i % 8)``: 8 groups of 4 rows    ``(j // 64, (j % 8) // 2)``: 4 groups of
+                 per warp, the rows one thread of an         16 keys per tile, the columns one
+                 m16n8 MMA accumulator holds                 thread of the accumulator holds
+   ============  ==========================================  ======================================
+
+5. Scores: ``s_int = q_int8 @ k_int8^T`` exactly (int32 accumulation; emulated here in float64,
+   exact since ``|s_int| <= 127^2 D < 2^53``), then ``s = (float32(s_int) * q_scale[i]) *
+   k_scale[j]`` in float32. Causal: key ``j`` is visible from query ``i`` iff
+   ``j <= i + Nk - Nq`` (bottom-right aligned, as FlashAttention); masked scores are -inf.
+6. Online softmax in float32 over key tiles of ``BLOCK_K``: ``m' = max(m, rowmax s)``,
+   ``p = exp2(s - m')``, ``l = l * exp2(m - m') + rowsum p``, ``acc = acc * exp2(m - m') + P V``.
+   ``out = acc / l`` (0 for a row that sees no key), ``lse = ln(2) (m + log2 l) + sm_scale q . k_mean``
+   (-inf for a row that sees no key).
+7. ``P V`` per tile, accumulated into the float32 ``acc`` (``pv_dtype``):
+   ``"fp16"``: P and V rounded to float16, products summed in float32 (a kernel whose MMA
+   accumulates a tile in float16 before flushing it matches to rounding; V beyond float16's
+   range, possible with bfloat16 inputs, overflows);
+   ``"fp8"``: V quantized per channel, ``v_scale[s, h, d] = amax_j |v| / 448`` (1 where 0),
+   ``v8 = e4m3fn(clamp(v / v_scale, +-448))``; P enters the FP8 MMA as ``e4m3fn(448 p)``, and
+   ``out = acc / l * (v_scale / 448)``; ``l`` sums the float32 ``p``;
+   ``"none"``: P rounded to the inputs' dtype and V as given, products summed in float32.
+8. NaN and inf are never dropped: a quantization group holding one gets an infinite scale and
+   all-zero entries (NaN stored as 0, as float -> int8 of NaN differs by device), so every score
+   computed from it is NaN. That reaches the outputs of its query group, or of every query that
+   sees its key group (through the key mean, its whole head when smoothing). A NaN value reaches
+   every row attending to it, and possibly others of its head (masked probabilities are 0 and
+   0 * NaN is NaN; with ``"fp8"`` its channel's scale is NaN).
+
+:func:`quantized_attention` is the reference backend's kernel and the CPU default, written for
+reading (loops over sequences and key tiles, vectorized over heads and query rows).
+:func:`quantized_attention_naive` is the definition without tiles: the same int8 values, one
+full softmax in float64; the tests pin the online softmax to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_Q, BLOCK_K, WARP_Q = 128, 64, 32
+GRANULARITIES = ("per_block", "per_warp", "per_thread")
+PV_DTYPES = ("fp16", "fp8", "none")
+INT8_MAX = 127
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+# ---- sequences ----
+
+def sequences(batch: int, nq: int, nk: int, cu_seqlens_q, cu_seqlens_k) -> list[tuple[int, int, int, int, int]]:
+    """``(batch index, q start, q end, k start, k end)`` of every sequence (one host read of cu_seqlens)."""
+    if cu_seqlens_q is None:
+        return [(b, 0, nq, 0, nk) for b in range(batch)]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(0, cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(len(cq) - 1)]
+
+
+def key_mean(k: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[S, Hkv, D]``: each sequence's mean key per head (0 for an empty sequence)."""
+    if cu_seqlens_k is None:
+        return k.float().mean(dim=2) if k.shape[2] else k.new_zeros(k.shape[:2] + k.shape[3:], dtype=torch.float32)
+    means = [k[0, :, start:end].float().mean(dim=1) if end > start else
+             k.new_zeros(k.shape[1], k.shape[3], dtype=torch.float32)
+             for _, _, _, start, end in sequences(1, 0, k.shape[2], cu_seqlens_k, cu_seqlens_k)]
+    return torch.stack(means) if means else k.new_zeros(0, k.shape[1], k.shape[3], dtype=torch.float32)
+
+
+def visible(nq: int, nk: int, causal: bool, device) -> torch.Tensor | None:
+    """Bool ``[nq, nk]``: which keys each query sees (bottom-right causal), or None for all of them."""
+    if not causal:
+        return None
+    rows = torch.arange(nq, device=device)[:, None]
+    cols = torch.arange(nk, device=device)[None, :]
+    return cols <= rows + (nk - nq)
+
+
+# ---- quantization ----
+
+def row_groups(n: int, role: str, granularity: str, device=None) -> tuple[torch.Tensor, int]:
+    """The quantization group of each of ``n`` query (``role="q"``) or key (``"k"``) rows of one
+    sequence, and the number of groups (the table in the module docstring)."""
+    i = torch.arange(n, device=device)
+    if role == "k":
+        if granularity == "per_thread":
+            return (i // BLOCK_K) * 4 + (i % 8) // 2, -(-n // BLOCK_K) * 4
+        return i // BLOCK_K, -(-n // BLOCK_K)
+    if granularity == "per_block":
+        return i // BLOCK_Q, -(-n // BLOCK_Q)
+    if granularity == "per_warp":
+        return i // WARP_Q, -(-n // WARP_Q)
+    return (i // WARP_Q) * 8 + i % 8, -(-n // WARP_Q) * 8
+
+
+def quantize_int8(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 [H, N, D], float32 per-row scale [H, N])`` of float32 ``x [H, N, D]``, one scale per
+    group of rows: ``amax / 127`` (1 where amax is 0), entries ``round_half_even(x / scale)``.
+    A NaN makes its group's amax inf, so that NaN is not quietly dropped (amax reductions skip it)."""
+    heads, n, _ = x.shape
+    row_amax = x.abs().amax(dim=-1)
+    row_amax = torch.where(row_amax.isnan(), math.inf, row_amax)
+    amax = x.new_zeros(heads, num_groups).scatter_reduce(1, group.expand(heads, n), row_amax, "amax")
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))[:, group]
+    y = (x / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX)
+    return y.masked_fill(y.isnan(), 0).to(torch.int8), scale
+
+
+def quantize_queries(q: torch.Tensor, sm_scale: float, granularity: str):
+    """Queries ``[H, N, D]`` of one sequence with ``sm_scale * log2(e)`` folded in: ``(int8, scale [H, N])``."""
+    folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()  # the float32 constant kernels use
+    return quantize_int8(q.float() * folded, *row_groups(q.shape[1], "q", granularity, q.device))
+
+
+def quantize_keys(k: torch.Tensor, mean: torch.Tensor | None, granularity: str):
+    """Keys ``[H, N, D]`` of one sequence, minus ``mean [H, D]`` if given: ``(int8, scale [H, N])``."""
+    smoothed = k.float() if mean is None else k.float() - mean[:, None, :]
+    return quantize_int8(smoothed, *row_groups(k.shape[1], "k", granularity, k.device))
+
+
+def quantize_values_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[H, N, D]`` (``N > 0``) of one sequence as ``(float8_e4m3fn, per-channel scale [H, D])``."""
+    amax = v.float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (v.float() / scale[:, None, :]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of int8 tensors, exactly, as int32 (float64 holds every partial sum of <= 2^53)."""
+    return (a.double() @ b.double()).to(torch.int32)
+
+
+def _pv_operands(v: torch.Tensor, pv_dtype: str):
+    """V as the P.V product reads it (float32 values), its per-channel scale (None if unscaled) and
+    how P enters the product (rounded, and for fp8 multiplied by 448, which ``acc / l`` divides out)."""
+    if pv_dtype == "fp8":
+        v8, scale = quantize_values_fp8(v)
+        return v8.float(), scale, lambda p: (p * FP8_MAX).to(torch.float8_e4m3fn).float()
+    rounded = torch.float16 if pv_dtype == "fp16" else v.dtype
+    return v.to(rounded).float(), None, lambda p: p.to(rounded).float()
+
+
+# ---- attention ----
+
+def _attend(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
+    """One sequence: q ``[Hq, Nq, D]``, k and v ``[Hkv, Nk, D]`` -> (out ``[Hq, Nq, D]`` float32, lse ``[Hq, Nq]``)."""
+    hq, nq, d = q.shape
+    hkv, nk = k.shape[:2]
+    group = hq // hkv
+    q8, q_scale = quantize_queries(q, sm_scale, granularity)
+    k8, k_scale = quantize_keys(k, mean, granularity)
+    v_read, v_scale, round_p = _pv_operands(v, pv_dtype)
+    # query heads grouped under their kv head: [Hkv, G, Nq, ...]
+    q8, q_scale = q8.view(hkv, group, nq, d), q_scale.view(hkv, group, nq, 1)
+    m = q.new_full((hkv, group, nq), -math.inf, dtype=torch.float32)
+    l = torch.zeros_like(m)
+    acc = q.new_zeros(hkv, group, nq, d, dtype=torch.float32)
+    mask = visible(nq, nk, causal, q.device)
+    for start in range(0, nk, BLOCK_K):
+        end = min(start + BLOCK_K, nk)
+        s_int = int8_matmul(q8, k8[:, None, start:end].transpose(-1, -2))
+        s = s_int.float() * q_scale * k_scale[:, None, None, start:end]
+        if mask is not None:
+            s = s.masked_fill(~mask[:, start:end], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
+        p = torch.exp2(s - m_safe[..., None])
+        alpha = torch.exp2(m - m_safe)
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + round_p(p) @ v_read[:, None, start:end]
+        m = m_new
+    out = acc / torch.where(l == 0, 1.0, l)[..., None]  # a row with no key has acc = 0; NaN stays NaN
+    if v_scale is not None:
+        out = out * (v_scale / FP8_MAX)[:, None, None, :]
+    lse = (m + torch.log2(l)) * LN2
+    if mean is not None:  # smoothing shifted every score of row i by sm_scale q_i . k_mean
+        lse = lse + sm_scale * (q.float().view(hkv, group, nq, d) @ mean[:, None, :, None]).squeeze(-1)
+    return out.reshape(hq, nq, d), lse.reshape(hq, nq)
+
+
+def _run(attend, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+    batch, hq, nq, d = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, hq, nq), -math.inf, dtype=torch.float32, device=q.device)
+    for s, (b, q0, q1, k0, k1) in enumerate(sequences(batch, nq, k.shape[2], cu_seqlens_q, cu_seqlens_k)):
+        if q1 == q0 or k1 == k0:  # no queries, or nothing to attend to: zeros and -inf
+            continue
+        mean = None if k_mean is None else k_mean[s]
+        out[b, :, q0:q1], lse[b, :, q0:q1] = attend(q[b, :, q0:q1], k[b, :, k0:k1], v[b, :, k0:k1], mean, sm_scale,
+                                                   causal, granularity, pv_dtype)
+    return out.to(q.dtype), lse
+
+
+def quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+    """The reference backend's kernel: INT8 QK^T, float32 online softmax over key tiles, P.V per
+    ``pv_dtype`` (module docstring, steps 1-7). Returns ``(out in q's dtype, lse float32)``."""
+    return _run(_attend, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k)
+
+
+def _attend_naive(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
+    """One sequence, no tiles: dequantized scores, one float64 softmax (natural base), P.V with V
+    as the kernel reads it (P unrounded, the difference the tests allow for)."""
+    hq, nq, d = q.shape
+    hkv, nk = k.shape[:2]
+    q8, q_scale = quantize_queries(q, sm_scale, granularity)
+    k8, k_scale = quantize_keys(k, mean, granularity)
+    v_read, v_scale, _ = _pv_operands(v, pv_dtype)
+    group = hq // hkv
+    scores = (q8.double() * q_scale.double()[..., None]).view(hkv, group, nq, d) @ \
+        (k8.double() * k_scale.double()[..., None])[:, None].transpose(-1, -2) * LN2  # base 2 -> natural
+    if mean is not None:
+        scores = scores + sm_scale * (q.double().view(hkv, group, nq, d) @ mean.double()[:, None, :, None])
+    mask = visible(nq, nk, causal, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    out = p @ (v_read.double() if v_scale is None else v_read.double() * v_scale.double()[:, None, :])[:, None]
+    return out.reshape(hq, nq, d), lse.reshape(hq, nq)
+
+
+def quantized_attention_naive(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q=None,
+                              cu_seqlens_k=None):
+    """The definition the kernel tiles: the same int8 values and scales, the whole row's softmax at
+    once in float64 (lse includes the smoothing correction). Same arguments and results as
+    :func:`quantized_attention`."""
+    return _run(_attend_naive, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k)
+
+
+# ---- backward ----
+
+def _attention_grads(do, dlse, q, k, v, sm_scale, causal):
+    """One sequence's exact attention gradient (float32, from the inputs' values)."""
+    hq, nq, d = q.shape
+    hkv, nk = k.shape[:2]
+    group = hq // hkv
+    qf = q.float().view(hkv, group, nq, d)
+    kf, vf = k.float()[:, None], v.float()[:, None]
+    do = do.float().view(hkv, group, nq, d)
+    s = qf @ kf.transpose(-1, -2) * sm_scale
+    mask = visible(nq, nk, causal, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse))
+    o = p @ vf
+    dv = (p.transpose(-1, -2) @ do).sum(dim=1)
+    dp = do @ vf.transpose(-1, -2)
+    delta = (do * o).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta + dlse.float().view(hkv, group, nq, 1))  # d lse / d s = p
+    dq = (ds @ kf) * sm_scale
+    dk = (ds.transpose(-1, -2) @ qf).sum(dim=1) * sm_scale
+    return dq.reshape(hq, nq, d), dk, dv
+
+
+def attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q, cu_seqlens_k):
+    """``(dq, dk, dv)`` of exact softmax attention (not of the quantized forward: a straight-through
+    estimator), FlashAttention-2's formulas: scores recomputed from the saved inputs in float32,
+    ``dS = P * (dO V^T - rowsum(dO * O) + d lse)``. ``grad_lse`` may be None. Gradients come in
+    the inputs' dtypes; GQA sums each kv head's gradient over its query heads."""
+    batch, hq, nq, d = q.shape
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    if grad_lse is None:
+        grad_lse = q.new_zeros(batch, hq, nq, dtype=torch.float32)
+    for b, q0, q1, k0, k1 in sequences(batch, nq, k.shape[2], cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        dq[b, :, q0:q1], dk[b, :, k0:k1], dv[b, :, k0:k1] = _attention_grads(
+            grad_out[b, :, q0:q1], grad_lse[b, :, q0:q1], q[b, :, q0:q1], k[b, :, k0:k1], v[b, :, k0:k1],
+            sm_scale, causal)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
