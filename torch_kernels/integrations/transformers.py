@@ -1,8 +1,10 @@
-"""transformers' experts interface: every MoE layer of a model through :func:`torch_kernels.fused_moe`.
+"""transformers' plug-in points: every MoE layer through :func:`torch_kernels.fused_moe`, every
+attention layer through :func:`torch_kernels.quantized_attention`.
 
->>> import torch_kernels.integrations.transformers  # registers "torch_kernels"
+>>> import torch_kernels.integrations.transformers  # registers both names
 >>> model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="torch_kernels")
 >>> model.set_experts_implementation("torch_kernels")  # or on a loaded model
+>>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="torch_kernels_quantized")
 
 transformers' experts modules hold ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, the
 layout ``fused_moe`` takes, and call the registered function with the tokens, the router's
@@ -18,9 +20,12 @@ import torch
 from torch import nn
 
 from ..ops.moe import fused_moe
+from ..ops.quantized_attention import quantized_attention
 
 NAME = "torch_kernels"
-__all__ = ["NAME", "register", "supports", "experts_forward", "activation_of"]
+QUANTIZED_ATTENTION = "torch_kernels_quantized"
+__all__ = ["NAME", "QUANTIZED_ATTENTION", "register", "supports", "experts_forward", "activation_of",
+           "quantized_attention_forward"]
 
 
 def activation_of(module: nn.Module) -> str | None:
@@ -59,11 +64,43 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     return out.to(hidden_states.dtype)
 
 
+def quantized_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, scaling: float | None = None,
+                                dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """An ``AttentionInterface`` function: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, S, D]``
+    -> ``(out [B, T, Hq, D], None)`` through :func:`~torch_kernels.quantized_attention`.
+
+    Causal attention is aligned bottom-right, so prefill, chunked prefill over a cache and decoding
+    all take the quantized path. A padding mask, dropout, a sliding window or a soft cap go to
+    transformers' SDPA path instead (the op has none of them). ``granularity``, ``pv_dtype`` and
+    ``smooth_k`` pass through the model's call as attention kwargs, e.g.
+    ``model(input_ids, granularity="per_thread", pv_dtype="fp8")``."""
+    options = {name: kwargs.pop(name) for name in ("granularity", "pv_dtype", "smooth_k") if name in kwargs}
+    plain = (attention_mask is None and (dropout == 0.0 or not module.training) and not kwargs.get("sliding_window")
+             and not kwargs.get("softcap") and query.shape[-1] == key.shape[-1] == value.shape[-1])
+    if not plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    out = quantized_attention(query, key, value, causal=bool(getattr(module, "is_causal", True)), sm_scale=scaling,
+                              **options)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
-    """Register ``experts_forward`` as ``experts_implementation="torch_kernels"`` (idempotent)."""
+    """Register ``experts_forward`` as ``experts_implementation="torch_kernels"`` and
+    ``quantized_attention_forward`` as ``attn_implementation="torch_kernels_quantized"`` (idempotent).
+
+    The attention name takes SDPA's mask function, so a causal batch without padding gets no mask
+    (the quantized path) and a padded batch gets SDPA's mask (and SDPA)."""
+    from transformers import AttentionInterface
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+    AttentionInterface.register(QUANTIZED_ATTENTION, quantized_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(QUANTIZED_ATTENTION, sdpa_mask)
 
 
 register()
