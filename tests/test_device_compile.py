@@ -71,11 +71,13 @@ SHARED_MEMORY_LIMITS = {90: 232_448, 80: 166_912}
 # and a half: linear attention float32 and bfloat16 at K = V = 256 (the most blocks, the widest
 # recurrent state), float16 at 128, bfloat16 at 64 (the chunk kernels' tiles do not change with K,
 # V, and float16 and bfloat16 share them: measured, their shared memory is the same at every size
-# and for both), paged attention every case at head size 256 and a few at 64 and 128.
+# and for both), paged attention every case at head size 256 and a few at 64 and 128, quantized
+# attention every kernel at head sizes 64, 96 and 128 (float32 at 128 only).
 # TORCH_KERNELS_COMPILE_ALL=1 builds every size for every dtype (about 400 builds, minutes).
 COMPILE_ALL = os.environ.get("TORCH_KERNELS_COMPILE_ALL") == "1"
 LINEAR_ATTENTION_SIZES = (64, 128, 256)
 HEAD_SIZES = (64, 128, 256)
+QUANTIZED_ATTENTION_HEAD_SIZES = (64, 96, 128)
 MAX_SPLITS = 16  # the most key-range splits paged attention's config takes: the merge's widest tile
 PAGED_CASES = [  # (query dtype, cache dtype, decode batch, fused write)
     (torch.bfloat16, torch.bfloat16, True, False),
@@ -164,6 +166,16 @@ def ood_builds(dtypes) -> list[Build]:
     return builds
 
 
+def quantized_attention_builds(head_size: int, dtypes) -> list[Build]:
+    from triton_impl import quantized_attention
+
+    return [Build(f"quantized_attention {label} {_name(dtype)} D={head_size}", kernel, signature, constexprs,
+                  num_warps, num_stages, dots)
+            for dtype in dtypes
+            for label, kernel, signature, constexprs, num_warps, num_stages, dots in
+            quantized_attention.compile_targets(dtype, head_size)]
+
+
 def _families():
     """(id, function returning the builds): the share CI builds, or everything under COMPILE_ALL."""
     shares = {64: (torch.bfloat16,), 128: (torch.float16,), 256: (torch.float32, torch.bfloat16)}
@@ -175,6 +187,12 @@ def _families():
     cases.update({f"paged_attention-D{size}": functools.partial(
         paged_attention_builds, size, PAGED_CASES if COMPILE_ALL else few) for size in HEAD_SIZES if size != 256})
     cases["ood"] = lambda: ood_builds(DTYPES)
+    # quantized attention: every kernel at each head size, 16-bit inputs at 64 and 96, float32 too at
+    # 128 (its tf32x3 tiles are the largest)
+    quantized_shares = {64: (torch.float16,), 96: (torch.bfloat16,), 128: (torch.bfloat16, torch.float32)}
+    cases.update({f"quantized_attention-D{size}": functools.partial(
+        quantized_attention_builds, size, DTYPES if COMPILE_ALL else quantized_shares[size])
+        for size in QUANTIZED_ATTENTION_HEAD_SIZES})
     return cases
 
 

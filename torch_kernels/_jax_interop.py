@@ -202,3 +202,32 @@ def pallas_fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets, ac
     arrays = _moe_arrays(x, w13, w2, weights, token_of_row, row_of_slot, offsets, w13_scale, w2_scale)
     return to_torch(moe.fused_moe(*arrays[:7], activation, *arrays[7:],
                                   None if block_shape is None else tuple(block_shape)))
+
+
+# ---- quantized attention ----
+
+def _quantized_attention_args(q, cu_seqlens_q, cu_seqlens_k):
+    """The kernels' module, after declining what they do not take; offsets as host ints."""
+    _cpu_only(q)
+    from jax_impl import quantized_attention
+
+    if q.shape[3] not in quantized_attention.HEAD_SIZES:
+        raise NotImplementedError(f"pallas: head size {q.shape[3]} is not supported "
+                                  f"(takes {quantized_attention.HEAD_SIZES})")
+    offsets = [None if cu is None else tuple(cu.tolist()) for cu in (cu_seqlens_q, cu_seqlens_k)]
+    return quantized_attention, offsets
+
+
+def pallas_quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+    kernels, (cu_q, cu_k) = _quantized_attention_args(q, cu_seqlens_q, cu_seqlens_k)
+    out, lse = kernels.quantized_attention(*map(to_jax, (q, k, v)), sm_scale, causal, granularity, pv_dtype,
+                                           k_mean is not None, cu_q, cu_k,
+                                           k_mean=None if k_mean is None else to_jax(k_mean))
+    return to_torch(out), to_torch(lse)
+
+
+def pallas_quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q, cu_seqlens_k):
+    kernels, (cu_q, cu_k) = _quantized_attention_args(q, cu_seqlens_q, cu_seqlens_k)
+    grads = kernels.attention_backward(to_jax(grad_out), None if grad_lse is None else to_jax(grad_lse),
+                                       *map(to_jax, (q, k, v)), sm_scale, causal, cu_q, cu_k)
+    return tuple(map(to_torch, grads))

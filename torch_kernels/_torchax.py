@@ -281,6 +281,47 @@ def _moe_implementations():
             op.WEIGHT_GRAD: grouped_mm_weight_grad, op.FUSED: fused_moe}
 
 
+def _quantized_attention_implementations():
+    """The torchax implementations of quantized_attention and its backward op (pallas: the
+    reference backend is torch code), by op name.
+
+    The forward is the kernels' ``jax.custom_vjp``, so gradients flow through it (the exact
+    attention backward kernels). Packed offsets decide the kernels' block layout: they cross as
+    host ints. The key mean is computed in JAX here (the op's device path computes it in torch):
+    summation order may move an int8 key at a rounding tie by one.
+    """
+    from jax_impl import quantized_attention as kernels
+    from torchax.interop import j2t_autograd, jax_view, torch_view
+
+    from .ops import quantized_attention as op
+
+    forwards = {"pallas": j2t_autograd(torch_view(kernels.quantized_attention))}
+    backwards = {"pallas": kernels.attention_backward}
+
+    def offsets(cu_q, cu_k):
+        return [None if cu is None else tuple(cu.tolist()) for cu in (cu_q, cu_k)]
+
+    def quantized_attention(*args, **kwargs):
+        q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, choice = _schema_arguments(
+            op.quantized_attention_op, args, kwargs)
+        op.check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
+                        smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        op.check_lengths(cu_q, cu_k, q.shape[2], k.shape[2])
+        run = _first_backend(choice, forwards)
+        return run(q, k, v, float(sm_scale), causal, granularity, pv_dtype, smooth_k, *offsets(cu_q, cu_k))
+
+    def quantized_attention_backward(*args, **kwargs):
+        do, dlse, q, k, v, sm_scale, causal, cu_q, cu_k, choice = _schema_arguments(
+            op.quantized_attention_backward_op, args, kwargs)
+        op.check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity="per_block", pv_dtype="fp16",
+                        smooth_k=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        op.check_lengths(cu_q, cu_k, q.shape[2], k.shape[2])
+        run = _first_backend(choice, backwards)
+        return torch_view(run(*jax_view((do, dlse, q, k, v)), float(sm_scale), causal, *offsets(cu_q, cu_k)))
+
+    return {op.OP: quantized_attention, op.BACKWARD_OP: quantized_attention_backward}
+
+
 def register(env) -> None:
     """Register the JAX implementations of every op with torchax environment ``env``."""
     from jax_impl import ood
@@ -297,5 +338,5 @@ def register(env) -> None:
     env.override_op_definition(torch.ops.torch_kernels.ragged_paged_attention.default, attention)
     for name, impl in _linear_attention_implementations().items():
         env.override_op_definition(getattr(torch.ops.torch_kernels, name).default, impl)
-    for name, impl in _moe_implementations().items():
+    for name, impl in (*_moe_implementations().items(), *_quantized_attention_implementations().items()):
         env.override_op_definition(getattr(torch.ops.torch_kernels, name).default, impl)

@@ -8,9 +8,15 @@ is not: a straight-through estimator, so models train through the op. The number
 groups, scales, smoothing, the online softmax) are defined in
 ``torch_kernels.reference.quantized_attention``.
 
-Only the reference backend is registered: ``backends.register`` with a lazy ``"module:function"``
-for a module that does not exist yet would raise ``ModuleNotFoundError`` (not
-``NotImplementedError``) wherever that backend is available, instead of falling back.
+Kernels: the reference and those registered below, among them Triton's
+(``triton_impl.quantized_attention``: INT8 ``tl.dot``, FP8 P.V on compute capability 8.9+,
+FlashAttention-2 backward kernels; head sizes 64, 96 and 128, other calls declined to the next
+backend) and Pallas's (``jax_impl.quantized_attention``: INT8 dots on the MXU with int32
+accumulation, FlashAttention-2 backward kernels, under ``jax.custom_vjp``; CPU tensors run it in
+TPU interpret mode, torchax tensors on the TPU; the same head sizes). A backend is registered only
+once its module exists: a lazy ``"module:function"`` for a missing module would raise
+``ModuleNotFoundError`` (not ``NotImplementedError``) wherever that backend is available, instead
+of falling back.
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ from ..reference import quantized_attention as reference
 OP = "quantized_attention"
 BACKWARD_OP = "quantized_attention_backward"
 backends.register(OP, "reference", reference.quantized_attention)
+backends.register(OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention")
+backends.register(OP, "triton", "triton_impl.quantized_attention:quantized_attention")
 backends.register(BACKWARD_OP, "reference", reference.attention_backward)
+backends.register(BACKWARD_OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention_backward")
+backends.register(BACKWARD_OP, "triton", "triton_impl.quantized_attention:quantized_attention_backward")
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
