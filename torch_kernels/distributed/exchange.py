@@ -121,14 +121,14 @@ def _pick(buffer: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return buffer.index_select(0, pos.clamp(max=size - 1)).masked_fill_((pos == size)[:, None], 0)
 
 
-def _all_to_all(buffer: torch.Tensor, route: Route, group) -> torch.Tensor:
+def _all_to_all(buffer: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Issued now, waited for when the result is used. Under grad mode every rank takes part in
     the backward exchange, even one whose own rows need no gradient: its peers' rows do."""
     if not torch.is_grad_enabled():
-        return funcol.all_to_all_single(buffer, route.recv_splits, route.send_splits, group)
+        return funcol.all_to_all_single(buffer, recv_splits, send_splits, group)
     if not buffer.requires_grad:
         buffer = buffer.detach().requires_grad_()
-    return funcol.all_to_all_single_autograd(buffer, route.recv_splits, route.send_splits, group)
+    return funcol.all_to_all_single_autograd(buffer, recv_splits, send_splits, group)
 
 
 def _failed(what: str, layout: Layout, error: Exception) -> RuntimeError:
@@ -177,7 +177,8 @@ class _Fp8Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, route, layout):
         ctx.route, ctx.layout = route, layout
-        sent = _all_to_all(_place(pack_fp8(rows), route.send_pos, sum(route.send_splits)), route, layout.group)
+        sent = _all_to_all(_place(pack_fp8(rows), route.send_pos, sum(route.send_splits)), route.send_splits,
+                           route.recv_splits, layout.group)
         received = _waited(sent, "moe_dispatch", layout)
         return unpack_fp8(_pick(received, route.recv_pos), rows.shape[1], rows.dtype)
 
@@ -188,7 +189,8 @@ class _Fp8Exchange(torch.autograd.Function):
 
 def exchange(rows: torch.Tensor, route: Route, layout: Layout, what: str) -> torch.Tensor:
     """Rows moved along ``route`` (differentiable; the backward is the reverse route)."""
-    sent = _all_to_all(_place(rows, route.send_pos, sum(route.send_splits)), route, layout.group)
+    sent = _all_to_all(_place(rows, route.send_pos, sum(route.send_splits)), route.send_splits, route.recv_splits,
+                       layout.group)
     return _pick(_waited(sent, what, layout), route.recv_pos)
 
 
@@ -317,8 +319,8 @@ def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_
         recv_splits = [capacity if receiving and s in layout.token_ranks else 0 for s in range(layout.world)]
         send_pos = _capacity_positions(offsets, rows, layout, capacity)
     fp8 = dispatch_dtype == FP8
-    route_out = Route(send_pos, send_splits, send_pos, recv_splits)  # recv_pos is known only after the counts
-    payload = None if fp8 else _all_to_all(_place(x_sorted, send_pos, sum(send_splits)), route_out, group)
+    payload = None if fp8 else _all_to_all(_place(x_sorted, send_pos, sum(send_splits)), send_splits, recv_splits,
+                                           group)
     return PendingDispatch(x_sorted, local, layout, recv_counts, send_splits, recv_splits, send_pos, payload, fp8,
                            implementation)
 
@@ -390,7 +392,8 @@ def start_combine(y, handle: EPHandle, topk_weights) -> PendingCombine:
         raise ValueError(f"topk_weights: expected shape {tuple(handle.local.row_of_slot.shape)} (T, k of the "
                          f"dispatch), got {tuple(topk_weights.shape)}")
     back = handle.route.reverse()
-    returned = _all_to_all(_place(y, back.send_pos, sum(back.send_splits)), back, handle.layout.group)
+    returned = _all_to_all(_place(y, back.send_pos, sum(back.send_splits)), back.send_splits, back.recv_splits,
+                           handle.layout.group)
     return PendingCombine(returned, handle, topk_weights)
 
 
