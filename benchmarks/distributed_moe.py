@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import pathlib
-import statistics
 import sys
 import time
 

@@ -21,6 +21,8 @@ Run with ``-s`` to see the measured differences.
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import numpy as np
@@ -32,6 +34,7 @@ from torch_kernels import backends
 from torch_kernels.reference import quantized_attention as reference
 
 from harness import require_backend, run_isolated
+from test_quantized_attention import make_qkv as shared_make_qkv
 
 pytestmark = pytest.mark.usefixtures("pallas")
 
@@ -68,12 +71,7 @@ def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
     return ((got - want).abs() / ulp).max().item()
 
 
-def make_qkv(b, hq, hkv, nq, nk, d, dtype, seed, key_offset=3.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=gen)
-    k = torch.randn(b, hkv, nk, d, generator=gen) + key_offset * torch.randn(1, hkv, 1, d, generator=gen)
-    v = torch.randn(b, hkv, nk, d, generator=gen)
-    return tuple(t.to(dtype) for t in (q, k, v))
+make_qkv = functools.partial(shared_make_qkv, key_offset=3.0)  # keys offset per channel by default
 
 
 def both(q, k, v, **kwargs):

@@ -18,12 +18,15 @@ steps in the dK/dV kernel) run here too, explicitly. Run with ``-s`` to see the 
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import pytest
 import torch
 
 import torch_kernels
+from test_quantized_attention import make_qkv
 from harness import require_backend
 from torch_kernels import backends
 from torch_kernels.reference import quantized_attention as reference
@@ -73,12 +76,7 @@ def out_tolerance(dtype: torch.dtype, pv_dtype: str) -> float:
     return 2.0 ** -11 / EPS[torch.float32] if pv_dtype == "fp16" else 8.0
 
 
-def qkv(b, hq, hkv, nq, nk, d, dtype, seed, key_offset=2.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=gen)
-    k = torch.randn(b, hkv, nk, d, generator=gen) + key_offset * torch.randn(1, hkv, 1, d, generator=gen)
-    v = torch.randn(b, hkv, nk, d, generator=gen)
-    return tuple(t.to(dtype) for t in (q, k, v))
+qkv = functools.partial(make_qkv, key_offset=2.0)  # keys offset per channel by default
 
 
 # ---- quantization ----

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from . import for_device
+from .linear_attention import _dot  # a @ b in float32: 16-bit operands when LOW, else tf32x3
 from .paged_attention import _round_to_fp8_grid, _sequence_of
 
 HEAD_SIZES = (64, 96, 128)
@@ -160,14 +161,6 @@ def _rne_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mma(a, b, LOW: tl.constexpr, DT: tl.constexpr):
-    """``a @ b`` accumulated in float32: operands rounded to 16-bit ``DT`` when LOW, else tf32x3."""
-    if LOW:
-        return tl.dot(a.to(DT), b.to(DT))
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
 
 
 # ---- quantization ----
@@ -399,13 +392,13 @@ def backward_preprocess_kernel(
             seen = col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= (rows - q_begin + (nk - nq))[:, None])
-            scores = tl.where(seen, _mma(q, tl.trans(k), LOW, DT) * qk_scale, float("-inf"))
+            scores = tl.where(seen, _dot(q, tl.trans(k), LOW, DT) * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _mma(p, v, LOW, DT)
+            acc = acc * alpha[:, None] + _dot(p, v, LOW, DT)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D).to(tl.float32)
@@ -454,9 +447,9 @@ def backward_dq_kernel(
             seen = col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= (rows - q_begin + (nk - nq))[:, None])
-            p = tl.where(seen, tl.exp2(_mma(q, tl.trans(k), LOW, DT) * qk_scale - lse[:, None]), 0.0)
-            ds = p * (_mma(do, tl.trans(v), LOW, DT) - delta[:, None])
-            dq += _mma(ds, k, LOW, DT)
+            p = tl.where(seen, tl.exp2(_dot(q, tl.trans(k), LOW, DT) * qk_scale - lse[:, None]), 0.0)
+            ds = p * (_dot(do, tl.trans(v), LOW, DT) - delta[:, None])
+            dq += _dot(ds, k, LOW, DT)
         tl.store(dq_ptr + q_rows[:, None] * D + dims[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
@@ -502,10 +495,10 @@ def backward_dkdv_kernel(
                 seen = col_ok[:, None] & row_ok[None, :]
                 if CAUSAL:
                     seen = seen & (cols[:, None] <= (rows - q_begin + (nk - nq))[None, :])
-                pt = tl.where(seen, tl.exp2(_mma(k, tl.trans(q), LOW, DT) * qk_scale - lse[None, :]), 0.0)
-                dv += _mma(pt, do, LOW, DT)
-                dst = pt * (_mma(v, tl.trans(do), LOW, DT) - delta[None, :])
-                dk += _mma(dst, q, LOW, DT)
+                pt = tl.where(seen, tl.exp2(_dot(k, tl.trans(q), LOW, DT) * qk_scale - lse[None, :]), 0.0)
+                dv += _dot(pt, do, LOW, DT)
+                dst = pt * (_dot(v, tl.trans(do), LOW, DT) - delta[None, :])
+                dk += _dot(dst, q, LOW, DT)
         mask = col_ok[:, None] & d_ok[None, :]
         tl.store(dk_ptr + k_rows[:, None] * D + dims[None, :], (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask)
         tl.store(dv_ptr + k_rows[:, None] * D + dims[None, :], dv.to(dv_ptr.dtype.element_ty), mask=mask)

@@ -94,28 +94,11 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 def _why_unsupported(module: nn.Module) -> str:
     """Why the "torch_kernels" integration does not run ``module`` (called once it said it does not)."""
-    from transformers.integrations import moe
-
-    from ..integrations.transformers import activation_of
+    from ..integrations.transformers import unsupported_reasons
 
     if not _uses_experts_interface(module):
         return "its class does not call transformers' experts interface (@use_experts_implementation)"
-    reasons = {
-        "no gate (an up projection only)": not getattr(module, "has_gate", True),
-        "expert biases": getattr(module, "has_bias", False),
-        "transposed weights": getattr(module, "is_transposed", False),
-        "interleaved gate and up weights": not getattr(module, "is_concatenated", True),
-        "a norm after each expert": getattr(module, "has_post_expert_norm", False),
-        "a gate function of its own (_apply_gate)":
-            getattr(type(module), "_apply_gate", moe._default_apply_gate) is not moe._default_apply_gate,
-        f"activation {type(getattr(module, 'act_fn', None)).__name__} (fused_moe computes SiLU or exact GELU)":
-            activation_of(module) is None,
-        "no 3-D gate_up_proj and down_proj tensors": not all(
-            isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
-            for n in ("gate_up_proj", "down_proj")),
-    }
-    found = [reason for reason, applies in reasons.items() if applies]
-    return ", ".join(found) or "torch_kernels.integrations.transformers.supports() rejects it"
+    return ", ".join(unsupported_reasons(module))
 
 
 def _check_group(group) -> dist.ProcessGroup:

@@ -366,13 +366,13 @@ def moe_combine(y, handle, topk_weights, implementation=None):
     Returns:
         ``[T, N]`` in ``y``'s dtype; differentiable in ``y`` (a dispatch) and ``topk_weights``.
     """
-    from ..distributed import exchange
+    if not isinstance(handle, MoEHandle):  # the single-device path never imports torch.distributed
+        from ..distributed import exchange
 
-    if isinstance(handle, exchange.EPHandle):
-        return exchange.moe_combine(y, handle, topk_weights)
-    _checks.tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
-    if not isinstance(handle, MoEHandle):
+        if isinstance(handle, exchange.EPHandle):
+            return exchange.moe_combine(y, handle, topk_weights)
         raise TypeError(f"handle: expected the MoEHandle that moe_dispatch returned, got {type(handle).__name__}")
+    _checks.tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
     _checks.tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     _checks.size("y", 0, y.shape[0], handle.token_of_row.shape[0], "rows T * k of the dispatch")
     if tuple(topk_weights.shape) != tuple(handle.row_of_slot.shape):
