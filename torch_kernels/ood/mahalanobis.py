@@ -1,9 +1,4 @@
-"""Out-of-distribution scoring: fit a Gaussian on in-distribution features, score by Mahalanobis.
-
->>> scorer = MahalanobisScorer(covariance="ledoit_wolf").fit(train_features)
->>> limit = scorer.threshold(validation_features, tpr=0.95)
->>> reject = scorer.score(query_features) > limit
-"""
+"""Fit a Gaussian on in-distribution features, score by Mahalanobis distance."""
 
 from __future__ import annotations
 
@@ -11,8 +6,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import _checks
-from .ops.ood import mahalanobis_score
+from .. import _checks
+from ..ops.ood import mahalanobis_score
 
 __all__ = ["MahalanobisScorer", "mahalanobis_score", "COVARIANCE_ESTIMATORS"]
 
