@@ -127,20 +127,28 @@ static float divide_rn(float x, float s) {
 
 // ---- the cache write -----------------------------------------------------------------------
 
-// One work-item per element of key / value [T, Hkv, D], on an NDRange (D, Hkv, T). The caches are
-// contiguous [num_blocks, block_size, Hkv, D], so slot = block * block_size + offset is their row.
+// A cache [num_blocks, block_size, Hkv, D] is any strided view whose last dimension is contiguous:
+// entry (block, offset, head, 0) sits at base + block * block_stride + offset * slot_stride +
+// head * head_stride (elements from the pointer passed). Slot = block * block_size + offset.
+// Kernels take the four numbers of each cache, in that order, as CACHE_LAYOUT(k) declares them.
+#define CACHE_LAYOUT(c) long c##_base, long c##_block_stride, long c##_slot_stride, long c##_head_stride
+#define ENTRY(c, block, offset, head) \
+    (c##_base + (long)(block) * c##_block_stride + (long)(offset) * c##_slot_stride + (long)(head) * c##_head_stride)
+
+// One work-item per element of key / value [T, Hkv, D], on an NDRange (D, Hkv, T).
 __kernel void reshape_and_cache(__global const q_t *key, __global const q_t *value,
                                 __global cache_t *key_cache, __global cache_t *value_cache,
                                 __global const long *slot_mapping, __global const float *k_scale,
-                                __global const float *v_scale) {
+                                __global const float *v_scale, int block_size, CACHE_LAYOUT(k), CACHE_LAYOUT(v)) {
     const int d = get_global_id(0), head = get_global_id(1), num_kv_heads = get_global_size(1);
     const long token = get_global_id(2);
     const long slot = slot_mapping[token];
     if (slot < 0) return;  // padding
+    const ulong block = (ulong)slot / (uint)block_size, offset = (ulong)slot - block * (uint)block_size;
     const long src = (token * num_kv_heads + head) * HEAD_SIZE + d;
-    const long dst = (slot * num_kv_heads + head) * HEAD_SIZE + d;
-    key_cache[dst] = ENCODE(CACHE_KIND, divide_rn(LOAD(Q_KIND, key, src), k_scale[head]));
-    value_cache[dst] = ENCODE(CACHE_KIND, divide_rn(LOAD(Q_KIND, value, src), v_scale[head]));
+    key_cache[ENTRY(k, block, offset, head) + d] = ENCODE(CACHE_KIND, divide_rn(LOAD(Q_KIND, key, src), k_scale[head]));
+    value_cache[ENTRY(v, block, offset, head) + d] =
+        ENCODE(CACHE_KIND, divide_rn(LOAD(Q_KIND, value, src), v_scale[head]));
 }
 
 // ---- attention -----------------------------------------------------------------------------
@@ -175,13 +183,13 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
                             __global const float *k_scale, __global const float *v_scale,
                             __global q_t *out, int num_seqs, int num_q_heads, int block_size,
                             int max_blocks, int q_block, int heads_per_group,
-                            float sm_scale, int sliding_window, float soft_cap) {
+                            float sm_scale, int sliding_window, float soft_cap, CACHE_LAYOUT(k), CACHE_LAYOUT(v)) {
     __local float qs[ROWS][HEAD_SIZE];
     __local float ks[KT][HEAD_SIZE + 1];  // + 1: a GPU reads ks[lane][d] without bank conflicts
     __local float vs[KT][HEAD_SIZE];
     __local float ps[ROWS][KT];
     __local float row_max[ROWS], row_sum[ROWS], row_rescale[ROWS];
-    __local long key_row[KT];
+    __local long key_row[KT], value_row[KT];
     __local int row_token[ROWS], row_head[ROWS];  // -1: a row past the tokens or heads
     __local int key_bad[KT], row_bad[ROWS];  // a NaN or inf in the position's key or value / seen by the row
 
@@ -239,7 +247,8 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
             if (k < (uint)n) {  // only pages below kv_len: the rest may hold anything
                 const uint j = j0 + k, page = j / (uint)block_size, offset = j - page * (uint)block_size;
                 const long block_id = block_table[(long)seq * max_blocks + page];
-                key_row[k] = ((block_id * block_size + offset) * num_kv_heads + kv_head) * HEAD_SIZE;
+                key_row[k] = ENTRY(k, block_id, offset, kv_head);
+                value_row[k] = ENTRY(v, block_id, offset, kv_head);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -247,7 +256,7 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
             const bool real = k < n;  // zeros past the tile's end, so that 0 * garbage is no NaN
             for (uint d = lid; d < HEAD_SIZE; d += WG) {
                 const float key = real ? LOAD(CACHE_KIND, key_cache, key_row[k] + d) : 0.0f;
-                const float value = real ? LOAD(CACHE_KIND, value_cache, key_row[k] + d) : 0.0f;
+                const float value = real ? LOAD(CACHE_KIND, value_cache, value_row[k] + d) : 0.0f;
                 if (!isfinite(key) || !isfinite(value)) atomic_or(&key_bad[k], 1);
                 ks[k][d] = isfinite(key) ? key : 0.0f;
                 vs[k][d] = isfinite(value) ? value : 0.0f;

@@ -1,8 +1,14 @@
 """Ragged paged attention and the KV-cache write as SYCL kernels (``paged_attention.cl``).
 
 Contract: ``torch_kernels.reference.paged_attention``. One SPIR-V build per (query dtype, cache
-dtype, head size) holds both kernels. CPU tensors run on the ``opencl:cpu`` SYCL device through
-USM copies; the caches' written rows are copied back into the torch tensors in place.
+dtype, head size) holds both kernels. The kernels take each cache's (block, slot, kv head) strides
+and the offset of its first entry, so a cache may be any view whose last dimension is contiguous.
+
+CPU tensors run on the ``opencl:cpu`` SYCL device through USM copies: the SYCL runtime refuses a
+host pointer it did not allocate as a kernel argument, and USM memory can be viewed by torch but
+not the reverse. Attention copies the storage the caches view (once when both view one tensor, as
+vLLM's key and value halves do) keeping its strides; the written slots are copied back into the
+caches in place, slot by slot, so nothing else in their storage is written.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def _local_bytes(head_size: int) -> int:
     """The __local arrays of the attention kernel, as paged_attention.cl sizes them."""
     keys = 64 if head_size <= 64 else 32 if head_size <= 128 else 16 if head_size <= 256 else 8  # KT
     floats = ROWS * head_size + keys * (head_size + 1) + keys * head_size + ROWS * keys + 3 * ROWS
-    return 4 * floats + 8 * keys + 3 * 4 * ROWS + 4 * keys
+    return 4 * floats + 2 * 8 * keys + 3 * 4 * ROWS + 4 * keys
 
 
 def _macros(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> dict[str, int]:
@@ -68,21 +74,68 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # copies through bytes are bit-exact for every dtype
 
 
-def _write_args(key, value, key_cache_mem, value_cache_mem, slot_mapping, k_scale, v_scale):
+@dataclasses.dataclass
+class _DeviceCache:
+    """A cache as a kernel sees it: USM memory, the element offset of entry (0, 0, 0, 0) in it,
+    and the cache's strides; ``view`` is that cache as a torch view of the memory."""
+
+    memory: object
+    offset: int
+    strides: tuple[int, int, int]
+    view: torch.Tensor
+
+    def layout_args(self) -> list:
+        """The kernels' CACHE_LAYOUT arguments: offset, block, slot and kv head strides."""
+        return [ctypes.c_int64(x) for x in (self.offset, *self.strides)]
+
+
+def _extent(cache: torch.Tensor) -> tuple[int, int]:
+    """(first, end) element of the storage region ``cache`` reaches."""
+    start = cache.storage_offset()
+    return start, start + 1 + sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
+
+
+def _device_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> list[_DeviceCache]:
+    """USM copies of the storage the caches view, their strides kept: one copy of the region both
+    reach when they view one storage (vLLM's halves of one tensor), else one each."""
+    caches = (key_cache, value_cache)
+    if key_cache.untyped_storage().data_ptr() == value_cache.untyped_storage().data_ptr():
+        extents = [_extent(c) for c in caches]
+        shared = (min(e[0] for e in extents), max(e[1] for e in extents))
+        regions = [shared, shared]
+    else:
+        regions = [_extent(c) for c in caches]
+    copies = {}
+    result = []
+    for cache, region in zip(caches, regions):
+        start, end = region
+        key = (cache.untyped_storage().data_ptr(), region)
+        if key not in copies:
+            copies[key] = _runtime.usm_copy(_bytes(cache.as_strided((end - start,), (1,), start)))
+        memory, raw = copies[key]
+        offset = cache.storage_offset() - start
+        view = raw.view(cache.dtype).as_strided(cache.shape, cache.stride(), offset)
+        result.append(_DeviceCache(memory, offset, cache.stride()[:3], view))
+    return result
+
+
+def _write_args(key, value, key_cache: _DeviceCache, value_cache: _DeviceCache, slot_mapping, k_scale, v_scale,
+                block_size: int) -> list:
     inputs = [_runtime.usm_copy(t) for t in (key, value)]
     slots = _runtime.usm_copy(slot_mapping)
     scales = [_runtime.usm_copy(t.float()) for t in (k_scale, v_scale)]
-    return [inputs[0][0], inputs[1][0], key_cache_mem, value_cache_mem, slots[0], scales[0][0], scales[1][0]]
+    return [inputs[0][0], inputs[1][0], key_cache.memory, value_cache.memory, slots[0], scales[0][0], scales[1][0],
+            ctypes.c_int(block_size), *key_cache.layout_args(), *value_cache.layout_args()]
 
 
 def _write_range(key: torch.Tensor) -> list[int]:
     return list(key.shape)  # SYCL lists the slowest dimension first: OpenCL (D, Hkv, T)
 
 
-def _copy_back_rows(cache: torch.Tensor, written: torch.Tensor, rows: torch.Tensor, source_rows: torch.Tensor) -> None:
-    """``cache``'s rows ``rows`` (slots) = ``written``'s rows ``source_rows``, byte for byte."""
-    row_bytes = cache[0, 0].numel() * cache.element_size()
-    _bytes(cache).view(-1, row_bytes)[rows] = written.view(-1, row_bytes)[source_rows]
+def _slot_index(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of each slot in ``cache``."""
+    block_size = cache.shape[1]
+    return slots // block_size, slots % block_size
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -93,18 +146,22 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
     if num_tokens == 0:
         return
     kernel = _runtime.kernel(SOURCE, "reshape_and_cache", **_macros(key.dtype, key_cache.dtype, head_size))
-    # The kernel writes row slot_mapping[t] of the caches it gets. Handing it T-row stand-ins with
-    # slot t (or -1) keeps the USM traffic to the written rows, which are then scattered into the
-    # real caches: a serving cache is far larger than one step's tokens.
+    # The kernel writes slot slot_mapping[t] of the caches it gets. Handing it [T, 1, Hkv, D] stand-ins
+    # (blocks of one slot) with slot t (or -1) keeps the USM traffic to the written rows, which are
+    # then scattered into the real caches: a serving cache is far larger than one step's tokens.
     real = slot_mapping >= 0
     local_slots = torch.where(real, torch.arange(num_tokens), -1)
-    row_shape = (num_tokens, *key_cache.shape[2:])
-    stand_ins = [_runtime.usm_empty(row_shape, key_cache.dtype) for _ in range(2)]
-    args = _write_args(key, value, stand_ins[0][0], stand_ins[1][0], local_slots, k_scale, v_scale)
+    row_shape = (num_tokens, 1, *key_cache.shape[2:])
+    stand_ins = []
+    for _ in range(2):
+        memory, view = _runtime.usm_empty(row_shape, key_cache.dtype)
+        stand_ins.append(_DeviceCache(memory, 0, view.stride()[:3], view))
+    args = _write_args(key, value, *stand_ins, local_slots, k_scale, v_scale, block_size=1)
     _runtime.host_queue().submit(kernel, args, _write_range(key)).wait()
-    rows, source_rows = slot_mapping[real], real.nonzero()[:, 0]
-    for cache, (_, written) in zip((key_cache, value_cache), stand_ins):
-        _copy_back_rows(cache, _bytes(written), rows, source_rows)
+    blocks, offsets = _slot_index(key_cache, slot_mapping[real])
+    source_rows = real.nonzero()[:, 0]
+    for cache, written in zip((key_cache, value_cache), stand_ins):
+        _bytes(cache)[blocks, offsets] = _bytes(written.view)[source_rows, 0]
 
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
@@ -129,13 +186,13 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
 
-    caches = [_runtime.usm_copy(_bytes(c)) for c in (key_cache, value_cache)]
+    caches = _device_caches(key_cache, value_cache)
     write = None
     if key is not None:
         # Two kernels on one queue, not one: the attention of a token may read keys that another
         # work-group writes, and a kernel has no grid-wide barrier to wait for them.
         write_kernel = _runtime.kernel(SOURCE, "reshape_and_cache", **macros)
-        write_args = _write_args(key, value, caches[0][0], caches[1][0], slot_mapping, k_scale, v_scale)
+        write_args = _write_args(key, value, *caches, slot_mapping, k_scale, v_scale, block_size)
         write = queue.submit_async(write_kernel, write_args, _write_range(key))
 
     group = num_q_heads // num_kv_heads
@@ -147,12 +204,13 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     q_blocks = num_tokens // layout.q_block + num_seqs  # what the kernel's sequence search assumes
     inputs = [_runtime.usm_copy(t) for t in (query, cu_q_lens, kv_lens, block_table)]
     scales = [_runtime.usm_copy(t.float()) for t in (k_scale, v_scale)]
-    args = [inputs[0][0], caches[0][0], caches[1][0], inputs[1][0], inputs[2][0], inputs[3][0],
+    args = [inputs[0][0], caches[0].memory, caches[1].memory, inputs[1][0], inputs[2][0], inputs[3][0],
             scales[0][0], scales[1][0], out_mem, ctypes.c_int(num_seqs), ctypes.c_int(num_q_heads),
             ctypes.c_int(block_size), ctypes.c_int(max_blocks),
             ctypes.c_int(layout.q_block), ctypes.c_int(layout.heads_per_group), ctypes.c_float(sm_scale),
             # 0 means none; a window past 2^31 - 1 keys covers every sequence, as none does
-            ctypes.c_int(min(sliding_window or 0, 2 ** 31 - 1)), ctypes.c_float(soft_cap or 0.0)]
+            ctypes.c_int(min(sliding_window or 0, 2 ** 31 - 1)), ctypes.c_float(soft_cap or 0.0),
+            *caches[0].layout_args(), *caches[1].layout_args()]
     work_group = _work_group_size(head_size)
     kernel = _runtime.kernel(SOURCE, "ragged_paged_attention", **macros)
     # OpenCL dimensions (head chunk, kv head, query block), listed slowest first as SYCL does
@@ -160,9 +218,9 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
                  dEvents=[write] if write else None).wait()
 
     if key is not None:
-        rows = slot_mapping[slot_mapping >= 0]
-        for cache, (_, written) in zip((key_cache, value_cache), caches):
-            _copy_back_rows(cache, written, rows, rows)
+        blocks, offsets = _slot_index(key_cache, slot_mapping[slot_mapping >= 0])
+        for cache, written in zip((key_cache, value_cache), caches):
+            _bytes(cache)[blocks, offsets] = _bytes(written.view)[blocks, offsets]
     return out
 
 

@@ -53,6 +53,11 @@ def _non_contiguous(t):
     return torch.cat([t, t], dim=-1)[..., ::2]
 
 
+def _one_block_for_all(cache):
+    """A cache whose blocks are all one block's memory (stride 0): writes would collide."""
+    return cache[:1].expand(cache.shape)
+
+
 # ---- paged attention ----
 
 def _paged_batch() -> dict:
@@ -131,8 +136,9 @@ ATTENTION = [  # (case, argument, error, change of the good call's keyword argum
     ("value_cache dtype", "value_cache", TypeError, _map("value_cache", lambda t: t.to(torch.int8))),
     ("value_cache shape", "value_cache", ValueError, _map("value_cache", lambda t: t[:5].contiguous())),
     ("key_cache 3-D", "key_cache", ValueError, _map("key_cache", lambda t: t[0])),
-    ("key_cache not contiguous", "key_cache", ValueError, _map("key_cache", _non_contiguous)),
-    ("value_cache not contiguous", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("key_cache last dimension strided", "key_cache", ValueError, _map("key_cache", _non_contiguous)),
+    ("value_cache last dimension strided", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("key_cache blocks sharing memory", "key_cache", ValueError, _map("key_cache", _one_block_for_all)),
     ("no cache blocks", "key_cache", ValueError, _both_caches(lambda t: t[:0])),
     ("key dtype", "key", TypeError, _map("key", lambda t: t.half())),
     ("value dtype", "value", TypeError, _map("value", lambda t: t.half())),
@@ -182,7 +188,8 @@ WRITE = [
     ("key heads", "key", ValueError, _map("key", lambda t: torch.cat([t, t], 1))),
     ("cache dtype", "key_cache", TypeError, _both_caches(lambda t: t.half())),
     ("value_cache dtype", "value_cache", TypeError, _map("value_cache", lambda t: t.to(torch.float8_e4m3fn))),
-    ("value_cache not contiguous", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("value_cache last dimension strided", "value_cache", ValueError, _map("value_cache", _non_contiguous)),
+    ("value_cache blocks sharing memory", "value_cache", ValueError, _map("value_cache", _one_block_for_all)),
     ("slot_mapping int16", "slot_mapping", TypeError, _map("slot_mapping", lambda t: t.short())),
     ("slot_mapping size", "slot_mapping", ValueError, _map("slot_mapping", lambda t: t[1:])),
     ("slot past the cache", "slot_mapping", ValueError, _index("slot_mapping", 2, 1 << 40)),

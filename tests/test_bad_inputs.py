@@ -98,8 +98,9 @@ ragged_paged_attention: caches uint8 -> TypeError: key_cache: expected dtype in 
 ragged_paged_attention: value_cache dtype -> TypeError: value_cache: expected dtype torch.float32 (as key_cache), got torch.int8
 ragged_paged_attention: value_cache shape -> ValueError: value_cache: expected shape (6, 16, 2, 64) (as key_cache), got (5, 16, 2, 64)
 ragged_paged_attention: key_cache 3-D -> ValueError: key_cache: expected 4 dimensions, got shape (16, 2, 64)
-ragged_paged_attention: key_cache not contiguous -> ValueError: key_cache: expected a contiguous tensor (it is written in place), got strides (4096, 256, 128, 2)
-ragged_paged_attention: value_cache not contiguous -> ValueError: value_cache: expected a contiguous tensor (it is written in place), got strides (4096, 256, 128, 2)
+ragged_paged_attention: key_cache last dimension strided -> ValueError: key_cache: expected a stride-1 last dimension and no two entries sharing memory (it is written in place), got strides (4096, 256, 128, 2) for shape (6, 16, 2, 64)
+ragged_paged_attention: value_cache last dimension strided -> ValueError: value_cache: expected a stride-1 last dimension and no two entries sharing memory (it is written in place), got strides (4096, 256, 128, 2) for shape (6, 16, 2, 64)
+ragged_paged_attention: key_cache blocks sharing memory -> ValueError: key_cache: expected a stride-1 last dimension and no two entries sharing memory (it is written in place), got strides (0, 128, 64, 1) for shape (6, 16, 2, 64)
 ragged_paged_attention: no cache blocks -> ValueError: key_cache: expected no empty dimension, got shape (0, 16, 2, 64)
 ragged_paged_attention: key dtype -> TypeError: key: expected dtype in (float32), got torch.float16
 ragged_paged_attention: value dtype -> TypeError: value: expected dtype in (float32), got torch.float16
@@ -146,7 +147,8 @@ reshape_and_cache: value shape -> ValueError: value: expected shape (5, 2, 64) (
 reshape_and_cache: key heads -> ValueError: key: expected shape (5, 2, 64) (tokens, key_cache's kv heads and head size), got (5, 4, 64)
 reshape_and_cache: cache dtype -> TypeError: key_cache: expected dtype in (float32, int8, float8_e4m3fn, float8_e5m2), got torch.float16
 reshape_and_cache: value_cache dtype -> TypeError: value_cache: expected dtype torch.float32 (as key_cache), got torch.float8_e4m3fn
-reshape_and_cache: value_cache not contiguous -> ValueError: value_cache: expected a contiguous tensor (it is written in place), got strides (4096, 256, 128, 2)
+reshape_and_cache: value_cache last dimension strided -> ValueError: value_cache: expected a stride-1 last dimension and no two entries sharing memory (it is written in place), got strides (4096, 256, 128, 2) for shape (6, 16, 2, 64)
+reshape_and_cache: value_cache blocks sharing memory -> ValueError: value_cache: expected a stride-1 last dimension and no two entries sharing memory (it is written in place), got strides (0, 128, 64, 1) for shape (6, 16, 2, 64)
 reshape_and_cache: slot_mapping int16 -> TypeError: slot_mapping: expected dtype in (int64, int32), got torch.int16
 reshape_and_cache: slot_mapping size -> ValueError: slot_mapping: expected size 5 in dimension 0 (tokens), got 4
 reshape_and_cache: slot past the cache -> ValueError: slot_mapping: expected -1 (padding) or a slot in [0, 96) (num_blocks * block_size), got 1099511627776 at index 2

@@ -14,6 +14,7 @@ so the per-backend tests share the shapes of ``_fused_spec``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from unittest import mock
@@ -302,17 +303,47 @@ def test_backend_matches_definition(backend):
     check()
 
 
+# The CPU default's tiling knobs: (query rows per unit, gathered key elements and logits elements
+# per tile, the padding waste that closes a group); None keeps the default. Tiny budgets make it
+# walk every page in a tile of its own (merging the tiles' softmax partials) and batch nothing;
+# a waste of 1 batches every unit of a row count together.
+REFERENCE_TILES = [None, (1, 1, 1, 0.0), (4, 3000, 200, 1.0), (7, 20000, 5000, 0.25), (256, 1 << 15, 1 << 12, 1.0)]
+
+
+def _reference_tiles(tile):
+    """A context where the CPU default tiles as ``tile`` (an entry of REFERENCE_TILES) says."""
+    if tile is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for name, value in zip(("_MAX_Q_TILE", "_KEY_TILE_ELEMENTS", "_LOGIT_TILE_ELEMENTS", "_GROUP_WASTE"), tile):
+        stack.enter_context(mock.patch.object(reference, name, value))
+    return stack
+
+
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=specs(max_seqs=6, max_q=24, max_ctx=250, head_sizes=(64, 128)),
-       tile=st.sampled_from(((None, None), (1, 1), (300, 4), (5000, 7), (1 << 15, 256))))
+@given(spec=specs(max_seqs=6, max_q=24, max_ctx=250, head_sizes=(64, 128)), tile=st.sampled_from(REFERENCE_TILES))
 def test_vectorized_reference_matches_definition(spec, tile):
-    """The CPU default against the definition on more and longer batches; small tiles (logits
-    elements, query rows) make it walk many query and key tiles and skip the ones no query sees."""
-    elements, rows = tile
-    with mock.patch.object(reference, "_TILE_ELEMENTS", elements or reference._TILE_ELEMENTS), \
-            mock.patch.object(reference, "_MAX_Q_TILE", rows or reference._MAX_Q_TILE):
+    """The CPU default against the definition on more and longer batches, with small tiles too
+    (many units, groups and page tiles)."""
+    with _reference_tiles(tile):
         _check_on_backend(spec, "reference", ulps=0)
+
+
+def test_reference_plans_follow_the_batch_by_value():
+    """The CPU default keeps the last batch's plan (a model's layers share one batch); a batch
+    that differs only in block table entries, changed in place behind torch's back (through a
+    numpy view, as serving engines fill their tables), or only in lengths, gets a plan of its own."""
+    batch = make_batch(_fused_spec(fused=False))
+    first = batch.attend(batch.caches(), implementation="reference")
+    table = batch.block_table.numpy()
+    table[3, :2] = table[3, :2][::-1].copy()  # the chunk's first two pages swapped, no version bump
+    swapped = batch.attend(batch.caches(), implementation="reference")
+    assert_attention_close(swapped, batch.expected()[0], torch.float32)
+    assert not torch.equal(swapped, first)
+    batch.kv_lens[3] -= 1  # one key fewer: the chunk's positions move
+    shorter = batch.attend(batch.caches(), implementation="reference")
+    assert_attention_close(shorter, batch.expected()[0], torch.float32)
 
 
 # ---- the fused write, and what writes may touch ----
@@ -518,8 +549,8 @@ def _policy_nan_rows(batch: Batch, caches, query) -> torch.Tensor:
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=specs(max_seqs=5, max_q=12, max_ctx=120, head_sizes=(64,)),
-       tile=st.sampled_from(((None, None), (1, 1), (300, 4), (5000, 7))), data=st.data())
+@given(spec=specs(max_seqs=5, max_q=12, max_ctx=120, head_sizes=(64,)), tile=st.sampled_from(REFERENCE_TILES[:4]),
+       data=st.data())
 def test_reference_and_definition_follow_the_nan_policy(spec, tile, data):
     """NaN and inf planted at random (in entries some query sees, in ones none sees, in the
     query): the CPU default and the definition give NaN rows exactly where the policy says (whole
@@ -541,9 +572,7 @@ def test_reference_and_definition_follow_the_nan_policy(spec, tile, data):
     if batch.num_tokens and data.draw(st.booleans()):
         t = data.draw(st.integers(0, batch.num_tokens - 1))
         query[t, data.draw(st.integers(0, query.shape[1] - 1)), 0] = data.draw(st.sampled_from((NAN, INF)))
-    elements, q_rows = tile
-    with mock.patch.object(reference, "_TILE_ELEMENTS", elements or reference._TILE_ELEMENTS), \
-            mock.patch.object(reference, "_MAX_Q_TILE", q_rows or reference._MAX_Q_TILE):
+    with _reference_tiles(tile):
         out = torch_kernels.ragged_paged_attention(**batch.inputs(caches=caches, query=query),
                                                    implementation="reference")
     want = reference.ragged_paged_attention_naive(**batch.inputs(caches=caches, query=query.float()))
@@ -869,7 +898,8 @@ def test_reshape_and_cache_of_nothing(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_inputs(backend):
-    """Index tensors, queries and new keys may be views with any strides (the caches may not)."""
+    """Index tensors, queries and new keys may be views with any strides (the caches too: see
+    test_paged_attention_strided.py)."""
     require_backend(backend)
     batch = make_batch(_fused_spec())
     wide = torch.stack([batch.block_table, batch.block_table], dim=2)[:, :, 0]

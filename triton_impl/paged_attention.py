@@ -7,6 +7,10 @@ through the block table, with an online softmax in float32. A third grid axis sp
 range (flash-decoding): each split writes its partial output and log-sum-exp and a second kernel
 merges them, so that a few long decode sequences still fill the GPU.
 
+The caches are addressed through their (block, slot, kv head) strides, passed as arguments, so
+any view whose last dimension is contiguous (vLLM's key and value halves of one tensor) is read
+and written in place.
+
 Quantized caches are widened in registers; their per-kv-head scales are folded into the logit
 scale (keys) and the output (values), so no per-element multiply is needed.
 
@@ -104,11 +108,21 @@ def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
 
 
 @triton.jit
+def _entry_offset(slot, block_stride, slot_stride, BLOCK_SIZE: tl.constexpr):
+    """Offset of slot ``slot``'s row (kv head 0, dimension 0) in a cache with these strides."""
+    slot = slot.to(tl.int64)
+    return slot // BLOCK_SIZE * block_stride + slot % BLOCK_SIZE * slot_stride
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    HKV: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, CACHE_KIND: tl.constexpr,
+    k_block_stride, k_slot_stride, k_head_stride, v_block_stride, v_slot_stride, v_head_stride,
+    HKV: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CACHE_KIND: tl.constexpr,
 ):
-    """Token ``program_id(0)``'s ``[Hkv, D]`` key and value to its slot (none for slot -1)."""
+    """Token ``program_id(0)``'s ``[Hkv, D]`` key and value to its slot (none for slot -1); the
+    caches' strides (in elements; the last dimension's is 1) are arguments."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -121,9 +135,11 @@ def reshape_and_cache_kernel(
         k = tl.load(key_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(value_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
         cache_dtype = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + slot * HKV * D + offsets,
+        k_entry = _entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + heads[:, None] * k_head_stride
+        v_entry = _entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + heads[:, None] * v_head_stride
+        tl.store(key_cache_ptr + k_entry + dims[None, :],
                  _round_to_cache(k / k_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
-        tl.store(value_cache_ptr + slot * HKV * D + offsets,
+        tl.store(value_cache_ptr + v_entry + dims[None, :],
                  _round_to_cache(v / v_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
 
 
@@ -148,13 +164,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_keys(cache_ptr, new_ptr, scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+def _load_keys(cache_ptr, new_ptr, scale, entry, new_row, kv_ok, is_new, kv_head, dims, d_ok,
                HKV: tl.constexpr, D: tl.constexpr, FUSED: tl.constexpr, CACHE_KIND: tl.constexpr):
-    """Raw cache entries of ``BLOCK_N`` key positions; new tokens (fused) from their inputs."""
+    """Raw cache entries of ``BLOCK_N`` key positions (``entry``: each one's offset in the
+    cache); new tokens (fused) from their inputs."""
     cached = kv_ok
     if FUSED:
         cached = kv_ok & ~is_new
-    entries = tl.load(cache_ptr + (slot[:, None] * HKV + kv_head) * D + dims[None, :],
+    entries = tl.load(cache_ptr + entry[:, None] + dims[None, :],
                       mask=cached[:, None] & d_ok[None, :], other=0.0)
     if FUSED:
         fresh = tl.load(new_ptr + (new_row[:, None] * HKV + kv_head) * D + dims[None, :],
@@ -211,7 +228,7 @@ def _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW: tl.constexpr):
 @triton.jit
 def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
                   key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
-                  k_scale, v_scale, logit_scale, soft_cap, sliding_window,
+                  k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window,
                   ROWS: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr,
@@ -233,12 +250,15 @@ def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_
         kv_pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_len
         page = tl.load(block_table_ptr + seq * block_table_stride + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
+        page = page.to(tl.int64)
+        offset = kv_pos % BLOCK_SIZE
+        k_entry = page * k_strides[0] + offset * k_strides[1] + kv_head * k_strides[2]
+        v_entry = page * v_strides[0] + offset * v_strides[1] + kv_head * v_strides[2]
         is_new = kv_pos >= context
         new_row = q_begin + kv_pos - context
-        k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, kv_ok, is_new, kv_head, dims, d_ok,
+        k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, kv_ok, is_new, kv_head, dims, d_ok,
                                HKV, D, FUSED, CACHE_KIND)
-        v_entries = _load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, kv_ok, is_new, kv_head, dims,
+        v_entries = _load_keys(value_cache_ptr, value_ptr, v_scale, v_entry, new_row, kv_ok, is_new, kv_head, dims,
                                d_ok, HKV, D, FUSED, CACHE_KIND)
         k = _widen(k_entries, q.dtype, FIX_FP8_SPECIALS)
         v = _widen(v_entries, q.dtype, FIX_FP8_SPECIALS)
@@ -249,9 +269,9 @@ def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_
             # loaded again without those positions (zeros): a select on the loaded tiles would
             # cost shared memory for the whole kernel
             keep = kv_ok & ~bad
-            k = _widen(_load_keys(key_cache_ptr, key_ptr, k_scale, slot, new_row, keep, is_new, kv_head, dims, d_ok,
-                                  HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
-            v = _widen(_load_keys(value_cache_ptr, value_ptr, v_scale, slot, new_row, keep, is_new, kv_head, dims,
+            k = _widen(_load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, keep, is_new, kv_head, dims,
+                                  d_ok, HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
+            v = _widen(_load_keys(value_cache_ptr, value_ptr, v_scale, v_entry, new_row, keep, is_new, kv_head, dims,
                                   d_ok, HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
         if DOT_F32:
             logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")
@@ -283,12 +303,14 @@ def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr,
     k_scale_ptr, v_scale_ptr, key_ptr, value_ptr, slot_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     sm_scale, soft_cap, sliding_window, num_seqs, num_tokens, block_table_stride,
+    k_block_stride, k_slot_stride, k_head_stride, v_block_stride, v_slot_stride, v_head_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr, FIX_FP8_SPECIALS: tl.constexpr,
 ):
-    """Attention of one (query block, kv head, key split); see the module docstring."""
+    """Attention of one (query block, kv head, key split); see the module docstring. The caches'
+    strides are in elements (their last dimension's is 1)."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -328,10 +350,13 @@ def paged_attention_kernel(
         v_scale = tl.load(v_scale_ptr + kv_head)
         logit_scale = sm_scale * k_scale
         row_bad = tl.zeros([BLOCK_Q * GP], tl.int1)  # rows that end as NaN
+        k_strides = (k_block_stride, k_slot_stride, k_head_stride)
+        v_strides = (v_block_stride, v_slot_stride, v_head_stride)
         row_max, row_sum, acc, row_bad = _attend_tiles(
             q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
             key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
-            k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D, BLOCK_SIZE, BLOCK_N,
+            k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D,
+            BLOCK_SIZE, BLOCK_N,
             HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, False)
         # a NaN or inf in a real row's sums: the query or some tile holds one (rare), so redo exactly
         leaked = row_ok & ((row_sum * 0.0 + tl.sum(acc * 0.0, axis=1)) != 0.0)
@@ -342,8 +367,8 @@ def paged_attention_kernel(
             row_max, row_sum, acc, row_bad = _attend_tiles(
                 q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
                 key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
-                k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D, BLOCK_SIZE,
-                BLOCK_N, HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, True)
+                k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV,
+                D, BLOCK_SIZE, BLOCK_N, HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, True)
 
         out_rows = token.to(tl.int64)[:, None] * HQ + head[:, None]
         mask = row_ok[:, None] & d_ok[None, :]
@@ -365,11 +390,14 @@ def paged_attention_kernel(
                 slot = tl.load(slot_ptr + new_tokens, mask=new_tokens < q_end, other=-1)
                 write = (slot >= 0)[:, None] & d_ok[None, :]
                 source = (new_tokens.to(tl.int64)[:, None] * HKV + kv_head) * D + dims[None, :]
-                entry = (slot[:, None] * HKV + kv_head) * D + dims[None, :]
+                k_entry = _entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + kv_head * k_head_stride
+                v_entry = _entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + kv_head * v_head_stride
                 k_new = tl.load(key_ptr + source, mask=write, other=0.0).to(tl.float32)
                 v_new = tl.load(value_ptr + source, mask=write, other=0.0).to(tl.float32)
-                tl.store(key_cache_ptr + entry, _round_to_cache(k_new / k_scale, CACHE_KIND, cache_dtype), mask=write)
-                tl.store(value_cache_ptr + entry, _round_to_cache(v_new / v_scale, CACHE_KIND, cache_dtype), mask=write)
+                tl.store(key_cache_ptr + k_entry[:, None] + dims[None, :],
+                         _round_to_cache(k_new / k_scale, CACHE_KIND, cache_dtype), mask=write)
+                tl.store(value_cache_ptr + v_entry[:, None] + dims[None, :],
+                         _round_to_cache(v_new / v_scale, CACHE_KIND, cache_dtype), mask=write)
 
 
 @triton.jit
@@ -404,6 +432,12 @@ def _check_dtype(cache: torch.Tensor) -> int:
     return kind
 
 
+def cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    """The (block, slot, kv head) strides of a ``[num_blocks, block_size, Hkv, D]`` cache, in
+    elements; the kernels take any whose last dimension's is 1 (the op checks that)."""
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     """The write kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
 
@@ -415,8 +449,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
     kernel = for_device(reshape_and_cache_kernel, key.device)
     kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        *cache_strides(key_cache), *cache_strides(value_cache),
         HKV=num_kv_heads, D=head_size, HP=triton.next_power_of_2(num_kv_heads),
-        DP=triton.next_power_of_2(head_size), CACHE_KIND=_check_dtype(key_cache),
+        DP=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[1], CACHE_KIND=_check_dtype(key_cache),
     )
 
 
@@ -471,7 +506,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale, key, value,
         slot_mapping, out, partial_out, partial_lse,
         sm_scale, 1.0 if soft_cap is None else soft_cap, 0 if sliding_window is None else sliding_window,
-        num_seqs, num_tokens, block_table.stride(0),
+        num_seqs, num_tokens, block_table.stride(0), *cache_strides(key_cache), *cache_strides(value_cache),
         HQ=num_q_heads, HKV=num_kv_heads, G=group, GP=triton.next_power_of_2(group), D=head_size,
         DP=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_SOFT_CAP=soft_cap is not None,
@@ -491,6 +526,23 @@ _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
+# The caches' strides: i32 (Triton passes one of 2**31 or more as i64, a second specialization).
+_STRIDE_SIGNATURE = {f"{cache}_{dim}_stride": "i32" for cache in "kv" for dim in ("block", "slot", "head")}
+
+
+def write_compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128,
+                          num_kv_heads: int = 8, block_size: int = 16):
+    """(signature, constexprs) to build the write kernel ahead of time."""
+    new, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
+    signature = {"key_ptr": new, "value_ptr": new, "key_cache_ptr": cache, "value_cache_ptr": cache,
+                 "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **_STRIDE_SIGNATURE}
+    constexprs = {"HKV": num_kv_heads, "D": head_size, "HP": triton.next_power_of_2(num_kv_heads),
+                  "DP": triton.next_power_of_2(head_size), "BLOCK_SIZE": block_size,
+                  "CACHE_KIND": _CACHE_KINDS[cache_dtype]}
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature, constexprs
+
+
 def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128, group: int = 4,
                     block_size: int = 16, decode: bool = True, fused: bool = False):
     """(signature, constexprs, num_warps) to build the attention kernel ahead of time."""
@@ -501,7 +553,7 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
         "kv_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
         "key_ptr": q, "value_ptr": q, "slot_ptr": "*i64", "out_ptr": q, "partial_out_ptr": "*fp32",
         "partial_lse_ptr": "*fp32", "sm_scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32",
-        "num_seqs": "i32", "num_tokens": "i32", "block_table_stride": "i32",
+        "num_seqs": "i32", "num_tokens": "i32", "block_table_stride": "i32", **_STRIDE_SIGNATURE,
     }
     constexprs = {
         "HQ": 8 * group, "HKV": 8, "G": group, "GP": triton.next_power_of_2(group), "D": head_size,

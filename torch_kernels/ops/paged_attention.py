@@ -4,6 +4,11 @@ vLLM's flash layout: caches ``[num_blocks, block_size, Hkv, D]``, a slot is
 ``block * block_size + offset``, sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``
 and reads its pages through ``block_table[s]``. Both ops are inference-only and mutate the caches
 in place (declared in their schemas, so torch.compile functionalizes them).
+
+The caches may be any views whose last dimension is contiguous and whose entries do not share
+memory (``is_cache_layout``): the halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]``
+tensor permuted to this shape, in any physical order, slices of a larger buffer. Every backend
+reads and writes them in place and writes nothing but the written slots' entries.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ SLOT_DTYPES = (torch.int64, torch.int32)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+def is_cache_layout(cache: torch.Tensor) -> bool:
+    """Whether the kernels can read and write ``cache`` in place: its last dimension has stride 1
+    and its other strides are any that keep distinct entries apart in memory (a view of a larger
+    tensor, such as one half of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache, permuted).
+    Overlap is judged by ``reference.entries_apart``, a sufficient test every slice and permutation
+    of a tensor passes."""
+    return (cache.shape[-1] == 1 or cache.stride(-1) == 1) and reference.entries_apart(cache)
+
+
 def _check_cache_pair(key_cache, value_cache, query_dtype) -> None:
     _checks.tensor("key_cache", key_cache, ndim=4)
     _checks.tensor("value_cache", value_cache, ndim=4)
@@ -46,8 +60,9 @@ def _check_cache_pair(key_cache, value_cache, query_dtype) -> None:
         raise ValueError(f"value_cache: expected shape {tuple(key_cache.shape)} (as key_cache), "
                          f"got {tuple(value_cache.shape)}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not cache.is_contiguous():  # a copy would lose the write
-            raise ValueError(f"{name}: expected a contiguous tensor (it is written in place), got strides {cache.stride()}")
+        if not is_cache_layout(cache):  # a copy would lose the write
+            raise ValueError(f"{name}: expected a stride-1 last dimension and no two entries sharing memory (it is "
+                             f"written in place), got strides {cache.stride()} for shape {tuple(cache.shape)}")
     if min(key_cache.shape) == 0:
         raise ValueError(f"key_cache: expected no empty dimension, got shape {tuple(key_cache.shape)}")
 
@@ -359,8 +374,9 @@ def reshape_and_cache(
 
     Args:
         key, value: ``[T, Hkv, D]``, float16, bfloat16 or float32.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of key's dtype
-            or a quantized dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``).
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` of key's dtype or a quantized
+            dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``); any strides whose last is 1 and
+            that keep entries apart (views of one larger tensor too: ``is_cache_layout``).
         slot_mapping: int64 (or int32) ``[T]``; each slot at most once.
         k_scale, v_scale: optional float32 scales, finite and > 0, one (``[]`` or ``[1]``) or one
             per kv head (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8
@@ -403,8 +419,9 @@ def ragged_paged_attention(
     Args:
         query: ``[T, Hq, D]``, float16, bfloat16 or float32; ``Hq`` a multiple of ``Hkv``
             (grouped-query and multi-query attention).
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, of query's dtype
-            or quantized (``int8``, ``float8_e4m3fn``, ``float8_e5m2``; see ``k_scale``).
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` of query's dtype or quantized
+            (``int8``, ``float8_e4m3fn``, ``float8_e5m2``; see ``k_scale``); any strides whose last
+            is 1 and that keep entries apart (views of one larger tensor too: ``is_cache_layout``).
         cu_q_lens: int32 ``[S+1]``, query offsets, from 0 to ``T``.
         kv_lens: int32 ``[S]``, each at least its query length.
         block_table: int32 ``[S, max_blocks]``; entries past a sequence's last page are not read.

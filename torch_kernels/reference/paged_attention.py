@@ -1,6 +1,8 @@
 """Ragged paged attention and the KV-cache write in plain PyTorch.
 
-The kernel contract every backend follows (inputs already checked by ``torch_kernels.ops``):
+The kernel contract every backend follows (inputs already checked by ``torch_kernels.ops``;
+caches are ``[num_blocks, block_size, Hkv, D]`` views with any strides whose last is 1 and whose
+entries do not share memory, read and written in place, never copied into a new tensor):
 
 - ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)``
   writes ``quantize(key[t], k_scale)`` to ``key_cache[slot // block_size, slot % block_size]``
@@ -36,20 +38,39 @@ NaN and inf (every backend; ``ragged_paged_attention_naive`` states it in code):
    (overflow is +-inf). The same on every device (no float -> int cast of NaN is relied on).
 
 ``ragged_paged_attention_naive`` is the definition, written for reading (a loop over sequences).
-``ragged_paged_attention`` is the reference backend's kernel and the CPU default: flash-style
-tiles over padded sequences, with no Python loop over tokens or pages.
+``ragged_paged_attention`` is the reference backend's kernel and the CPU default: each group of
+similar sequences gathers its pages once and multiplies them in batched matmuls, with no Python
+loop over tokens or pages; the NaN policy costs it a check of two sums per kv head unless a
+NaN or inf is there.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Elements of one logits tile [S, Hq, q_tile, kv_tile] (4 MB of float32), and its most query rows:
-# tiles that stay in the CPU's caches run several times faster than larger ones.
-_TILE_ELEMENTS = 1 << 20
-_MAX_Q_TILE = 256
+# The CPU default's tiles: query rows per unit (64 ran fastest), and budgets in float32 elements
+# of one group's gathered keys (one of K and V: 16 MB) and of one kv head's logits (4 MB).
+_MAX_Q_TILE = 64
+_KEY_TILE_ELEMENTS = 1 << 22
+_LOGIT_TILE_ELEMENTS = 1 << 20
+# A group of units closes before padding them to its widest would waste this share of its work.
+_GROUP_WASTE = 0.25
+
+
+def entries_apart(t: torch.Tensor) -> bool:
+    """Whether no two entries of ``t`` share memory: sorted by stride, each dimension steps past
+    everything the smaller ones reach (sufficient, and met by every slice and permutation of a
+    tensor, such as the halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,123 +160,230 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
-    """The reference backend's kernel: sequences bucketed by query length (1, 2, 3-4, 5-8, ...),
-    each bucket padded to its longest and attended by :func:`_attend_padded`, so a mixed batch
-    pads its decodes to one row, not to the longest prefill chunk."""
+    """The reference backend's kernel and the CPU default.
+
+    Each sequence's query rows are cut into units of at most ``_MAX_Q_TILE`` rows; a unit reads
+    the pages holding the keys its rows may see (from its first row's window start to its last
+    row's position). Units of similar size form a group (:func:`_plan`), attended together by
+    :func:`_attend_group`: their pages gathered once, padded to the group's largest, and each kv
+    head's keys multiplied with all its query heads' rows in one batched matmul. The lengths are
+    read on the host once; the plan is kept for the next call with the same batch (a model's
+    layers share it).
+    """
     _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
-    args = (key_cache, value_cache, sm_scale, sliding_window, soft_cap, k_scale, v_scale)
-    cu = cu_q_lens.long()
-    q_lens = cu[1:] - cu[:-1]
-    buckets: dict[int, list[int]] = {}
-    for s, n in enumerate(q_lens.tolist()):
-        if n > 0:
-            buckets.setdefault((n - 1).bit_length(), []).append(s)
-    if len(buckets) == 1 and len(next(iter(buckets.values()))) == len(q_lens):
-        return _attend_padded(query, cu_q_lens, kv_lens, block_table, *args)
-    out = torch.zeros_like(query)  # idle sequences (no query rows) are left out: padding them costs
-    for seqs in buckets.values():
-        seqs = torch.tensor(seqs, device=query.device)
-        lens = q_lens[seqs]
-        sub_cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        # token rows of these sequences, in order: each sequence's start plus its row offsets
-        rows = cu[seqs].repeat_interleave(lens) + torch.arange(int(sub_cu[-1]), device=query.device) \
-            - sub_cu[:-1].repeat_interleave(lens)
-        out[rows] = _attend_padded(query[rows], sub_cu, kv_lens[seqs], block_table[seqs], *args)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.shape[0] == 0:
+        return out
+    scales = (float(sm_scale), k_scale.tolist(), v_scale.tolist())
+    caches = (key_cache, value_cache, _paired(key_cache, value_cache))
+    for group in _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window):
+        _attend_group(out, query, caches, group, scales, soft_cap)
     return out
 
 
-def _may_hold_non_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """False only if every entry of ``k`` and ``v`` is finite. On CPU a sum tells (a NaN or inf
-    makes it non-finite; an overflow of finite ones only costs the masking); elsewhere always
-    True, which spares a device sync per tile."""
-    if k.device.type != "cpu":
-        return True
-    return not bool(torch.isfinite(k.sum() + v.sum()))
+def _paired(key_cache, value_cache) -> torch.Tensor | None:
+    """Both caches as one ``[num_blocks, block_size, Hkv, 2, D]`` view, so that one gather reads
+    both, when they are views of one tensor with the same strides (vLLM's halves of its
+    ``[..., 2 * D]`` cache: in its NHD layout the pair is contiguous, whole blocks); else None."""
+    offset = value_cache.storage_offset() - key_cache.storage_offset()
+    if (key_cache.untyped_storage().data_ptr() != value_cache.untyped_storage().data_ptr()
+            or key_cache.stride() != value_cache.stride() or key_cache.dtype != value_cache.dtype or offset <= 0):
+        return None
+    pair = key_cache.as_strided((*key_cache.shape[:3], 2, key_cache.shape[3]), (*key_cache.stride()[:3], offset, 1))
+    return pair if entries_apart(pair) else None
 
 
-def _attend_padded(query, cu_q_lens, kv_lens, block_table, key_cache, value_cache, sm_scale, sliding_window,
-                   soft_cap, k_scale, v_scale):
-    """Online softmax over tiles of sequences padded to the longest query length.
+@dataclasses.dataclass(frozen=True)
+class _PageTile:
+    """A tile of a group's pages: each unit's block ids, and which key positions of the tile each
+    padded row cannot see (``[n, rows, 1, tile keys]``)."""
 
-    Keys and values are gathered a tile of pages at a time, all kv heads at once; then each kv
-    head's keys multiply all its query heads' rows (``max_q_len * group``) in one batched matmul
-    over sequences, on strided views of the tile (a loop over kv heads, not tokens or pages:
-    permuting the tile to head-major costs more than the matmuls). The scales multiply the
-    logits and the output, not the tile. Tiles that no query of the batch can see (above the
-    diagonal, or outside every window) are skipped. A tile whose sum is not finite (rare: NaN
-    garbage past kv_len, a poisoned entry) gets the NaN policy's masking; the others skip it.
+    ids: torch.Tensor
+    hidden: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Units attended together: ``n`` units padded to ``rows`` rows each. ``query_rows`` holds the
+    token of each padded row (a padding row repeats its unit's last row); ``real`` marks the real
+    ones (None: all are) and ``out_rows`` their tokens."""
+
+    n: int
+    rows: int
+    query_rows: torch.Tensor
+    tiles: tuple[_PageTile, ...]
+    real: torch.Tensor | None
+    out_rows: torch.Tensor
+
+
+_last_plan: tuple | None = None  # (key, block_table copy, groups) of the last batch planned
+
+
+def _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window) -> list[_Group]:
+    """The groups of a batch: the last call's when the batch is the same (compared by value)."""
+    global _last_plan
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    cu, kv = cu_q_lens.tolist(), kv_lens.tolist()
+    key = (tuple(cu), tuple(kv), tuple(query.shape), key_cache.shape, query.device, block_table.shape, sliding_window,
+           _MAX_Q_TILE, _KEY_TILE_ELEMENTS, _LOGIT_TILE_ELEMENTS, _GROUP_WASTE)
+    last = _last_plan
+    if last is not None and last[0] == key and torch.equal(last[1], block_table):
+        return last[2]
+    units = []
+    for s, kv_len in enumerate(kv):
+        start, end = cu[s], cu[s + 1]
+        for first in range(start, end, _MAX_Q_TILE):
+            rows = min(_MAX_Q_TILE, end - first)
+            first_pos = kv_len - (end - first)
+            lo = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+            first_page = lo // block_size
+            end_page = -(-(first_pos + rows) // block_size)
+            units.append((first, rows, first_pos, first_page, end_page - first_page, s))
+    key_elements = block_size * num_kv_heads * head_size  # of a page's keys
+    logit_elements = query.shape[1] // num_kv_heads * block_size  # of a row's logits over a page, per kv head
+    groups = [_group(group, block_table, block_size, sliding_window, key_elements, logit_elements)
+              for group in _grouped(units, key_elements, logit_elements)]
+    _last_plan = (key, block_table.clone(), groups)
+    return groups
+
+
+def _grouped(units: list, key_elements: int, logit_elements: int) -> list[list]:
+    """Units batched together: by row count (1, 2, 3-4, 5-8, ...), then by page count, largest
+    first; a group closes before the padding to its widest unit costs more than ``_GROUP_WASTE``
+    of the work, or before its gathered keys or logits pass their budget."""
+    by_rows: dict[int, list] = {}
+    for unit in units:
+        by_rows.setdefault((unit[1] - 1).bit_length(), []).append(unit)
+    groups = []
+    for bucket in by_rows.values():
+        bucket.sort(key=lambda u: (u[4], u[1]), reverse=True)
+        group, rows, pages, work = [], 0, 0, 0
+        for unit in bucket:
+            n = len(group) + 1
+            grown_rows, grown_pages = max(rows, unit[1]), max(pages, unit[4])
+            padded = n * grown_rows * grown_pages
+            if group and (padded - (work + unit[1] * unit[4]) > _GROUP_WASTE * padded
+                          or n * grown_pages * key_elements > _KEY_TILE_ELEMENTS
+                          or padded * logit_elements > _LOGIT_TILE_ELEMENTS):
+                groups.append(group)
+                group, grown_rows, grown_pages, work = [], unit[1], unit[4], 0
+            group.append(unit)
+            rows, pages, work = grown_rows, grown_pages, work + unit[1] * unit[4]
+        groups.append(group)
+    return groups
+
+
+def _group(units: list, block_table, block_size: int, sliding_window, key_elements: int,
+           logit_elements: int) -> _Group:
+    """The index tensors of a group of units ``(first token, rows, first position, first page,
+    pages, sequence)``."""
+    device = block_table.device
+    n = len(units)
+    first_token, rows, first_pos, first_page, pages, seq = \
+        torch.tensor(units, dtype=torch.int64, device=device).unbind(1)
+    max_rows, max_pages = max(u[1] for u in units), max(u[4] for u in units)
+    row = torch.minimum(torch.arange(max_rows, device=device), rows[:, None] - 1)  # [n, R]
+    q_pos = (first_pos[:, None] + row)[:, :, None, None]
+    # long units walk their pages in tiles, within the budgets of one gather and one head's logits
+    tile_pages = max(1, min(_KEY_TILE_ELEMENTS // (n * key_elements),
+                            _LOGIT_TILE_ELEMENTS // (n * max_rows * logit_elements)))
+    tiles = []
+    for p0 in range(0, max_pages, tile_pages):
+        page = torch.arange(p0, min(max_pages, p0 + tile_pages), device=device)
+        used = page < pages[:, None]  # pages past a unit's last may hold any id
+        column = (first_page[:, None] + page).clamp(max=block_table.shape[1] - 1)
+        ids = torch.where(used, block_table[seq[:, None], column].long(), 0).flatten()
+        k_pos = ((first_page[:, None] + page[0]) * block_size
+                 + torch.arange(len(page) * block_size, device=device))[:, None, None, :]
+        hidden = k_pos > q_pos  # [n, R, 1, L]; this hides every slot past kv_len too
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        tiles.append(_PageTile(ids, hidden))
+    real = torch.arange(max_rows, device=device) < rows[:, None]
+    tokens = first_token[:, None] + torch.arange(max_rows, device=device)
+    all_real = all(u[1] == max_rows for u in units)
+    return _Group(n, max_rows, (first_token[:, None] + row).flatten(), tuple(tiles),
+                  None if all_real else real.flatten(), tokens.flatten() if all_real else tokens[real])
+
+
+def _attend_group(out, query, caches, group: _Group, scales, soft_cap, exact=False) -> None:
+    """Attention of a group of units, written to their rows of ``out``.
+
+    A tile of pages is gathered once for all kv heads (``index_select`` on the caches as they
+    are, any strides; keys and values in one gather when ``caches`` holds them paired); a group
+    of long units walks its pages in tiles whose softmax partials are merged by their
+    log-sum-exp.
+
+    The NaN policy: the fast pass (``exact`` False) masks nothing. A NaN or inf in a query or in
+    any gathered entry, seen or not, makes that head's logits (keys; checked before the soft cap,
+    which would make an inf finite) or weighted sum (values: a zero weight times NaN is NaN)
+    non-finite, which their sums show; only then is the group attended again exactly: those
+    entries zeroed, and the rows that see one (or whose query holds one) written as NaN.
     """
-    t, num_q_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
-    num_seqs = kv_lens.shape[0]
-    if t == 0 or num_seqs == 0:
-        return query.new_zeros(query.shape)
-    device = query.device
-    cu = cu_q_lens.long()
-    q_lens, kv = cu[1:] - cu[:-1], kv_lens.long()
-    max_q, max_kv = int(q_lens.max()), int(kv.max())
+    sm_scale, k_scales, v_scales = scales
+    key_cache, value_cache, pair = caches
+    n, max_rows = group.n, group.rows
+    _, num_q_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group_size = num_q_heads // num_kv_heads
+    q = query.index_select(0, group.query_rows).float().view(n, max_rows, num_kv_heads, group_size, head_size)
+    poisoned = None  # [n, R, Hkv, G]: rows that end as NaN
+    if exact:
+        poisoned = _non_finite_rows(q)
+        q = q.masked_fill(poisoned[..., None], 0.0)
+    single = len(group.tiles) == 1
+    partials = []  # per page tile: (per kv head outputs, per kv head log-sum-exp if several tiles)
+    checks = []
+    for tile in group.tiles:
+        if pair is None:  # copies, [n, tile keys, Hkv, D]
+            k = key_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size).float()
+            v = value_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size).float()
+        else:
+            k, v = pair.index_select(0, tile.ids).view(n, -1, num_kv_heads, 2, head_size).float().unbind(3)
+        if exact:
+            bad = _non_finite_rows(k) | _non_finite_rows(v)  # [n, L, Hkv]
+            k = k.masked_fill(bad[..., None], 0.0)
+            v = v.masked_fill(bad[..., None], 0.0)
+            seen_bad = (~tile.hidden & bad.permute(0, 2, 1)[:, None]).any(dim=-1)  # [n, R, Hkv]
+            poisoned = poisoned | seen_bad[..., None]
+        heads, lses = [], []
+        for h in range(num_kv_heads):
+            qh = (q[:, :, h] * (sm_scale * k_scales[h])).view(n, max_rows * group_size, head_size)
+            logits = torch.bmm(qh, k[:, :, h].transpose(1, 2))
+            if not exact:
+                checks.append(logits.sum())  # before the soft cap, which would make an inf finite
+            if soft_cap is not None:
+                logits = torch.tanh(logits.div_(soft_cap)).mul_(soft_cap)
+            logits = logits.view(n, max_rows, group_size, -1).masked_fill_(tile.hidden, float("-inf"))
+            if single:
+                weights = logits.softmax(dim=-1)
+            else:  # a tile some rows see nothing of: log-sum-exp -inf, weights 0
+                lse = logits.logsumexp(dim=-1, keepdim=True)
+                weights = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0))
+                lses.append(lse)
+            head = torch.bmm(weights.view(n, max_rows * group_size, -1), v[:, :, h])
+            if not exact:
+                checks.append(head.sum())
+            heads.append(head.view(n, max_rows, group_size, head_size))
+        partials.append((heads, lses))
+    if checks and not torch.isfinite(torch.stack(checks).sum()):
+        _attend_group(out, query, caches, group, scales, soft_cap, exact=True)
+        return
+    result = torch.stack([_merged(partials, h) * v_scales[h] if v_scales[h] != 1.0 else _merged(partials, h)
+                          for h in range(num_kv_heads)], dim=2)
+    if poisoned is not None:
+        result.masked_fill_(poisoned[..., None], float("nan"))
+    result = result.view(n * max_rows, num_q_heads, head_size)
+    if group.real is not None:
+        result = result[group.real]
+    out.index_copy_(0, group.out_rows, result.to(out.dtype))
 
-    # padded query layout: [S, Hkv, max_q, group, D]; row r of sequence s is token cu[s] + r
-    rows = torch.arange(max_q, device=device)
-    token = cu[:-1, None] + rows
-    real_row = rows < q_lens[:, None]
-    q = query[token.clamp(max=t - 1)].float().view(num_seqs, max_q, num_kv_heads, group, head_size)
-    q = q.permute(0, 2, 1, 3, 4).contiguous()
-    bad_q = _non_finite_rows(q)  # [S, Hkv, max_q, group]: rows that end as NaN
-    q.masked_fill_(bad_q[..., None], 0.0)
-    q_pos = (kv - q_lens)[:, None] + rows  # [S, max_q]
-    logit_scale = k_scale.float() * sm_scale  # [Hkv]
 
-    # square-ish tiles: causal prefill skips the tiles above the diagonal
-    q_tile = min(max_q, _MAX_Q_TILE)
-    kv_tile = max(block_size, min(-(-max_kv // block_size) * block_size,
-                                  _TILE_ELEMENTS // (num_seqs * num_q_heads * q_tile) // block_size * block_size))
-    pages_per_tile = kv_tile // block_size
-    out = torch.empty(num_seqs, num_kv_heads, max_q, group, head_size, device=device)
-    for q0 in range(0, max_q, q_tile):
-        q1 = min(max_q, q0 + q_tile)
-        rows_shape = (num_seqs, num_kv_heads, q1 - q0, group)
-        qt, pos = q[:, :, q0:q1].flatten(2, 3), q_pos[:, q0:q1]  # [S, Hkv, rows, D]
-        row_max = torch.full(rows_shape, float("-inf"), device=device)
-        row_sum = torch.zeros(rows_shape, device=device)
-        acc = torch.zeros(*rows_shape, head_size, device=device)
-        poisoned = bad_q[:, :, q0:q1].clone()  # rows that saw a non-finite entry (or query)
-        # keys this query tile may see: up to its last position, from its first window start
-        hi = int((pos.masked_fill(~real_row[:, q0:q1], -1).max(dim=1).values + 1).clamp(min=0).max())
-        lo = 0 if sliding_window is None else max(0, int((pos[:, 0] - sliding_window + 1).min()))
-        for k0 in range(lo // kv_tile * kv_tile, hi, kv_tile):
-            page = torch.arange(k0 // block_size, k0 // block_size + pages_per_tile, device=device)
-            used = page[None, :] * block_size < kv[:, None]  # pages past kv_len may hold any id
-            ids = torch.where(used, block_table[:, page.clamp(max=block_table.shape[1] - 1)].long(), 0)
-            k_pos = k0 + torch.arange(kv_tile, device=device)
-            stored = k_pos < kv[:, None]  # slots past kv_len (or filler pages) may hold anything, NaN too
-            tile_shape = (num_seqs, kv_tile, num_kv_heads, head_size)
-            k = key_cache.index_select(0, ids.flatten()).view(tile_shape).float()  # a copy (faster than [ids])
-            v = value_cache.index_select(0, ids.flatten()).view(tile_shape).float()
-            hidden = ~(_visible(pos[:, :, None], k_pos, sliding_window) & stored[:, None, :])[:, :, None]
-            bad = None
-            if _may_hold_non_finite(k, v):
-                bad = _non_finite_rows(k) | _non_finite_rows(v)  # [S, kv_tile, Hkv]
-                # zeroed: a zero weight times NaN would still be NaN; the rows that see one are flagged
-                k.masked_fill_(bad[..., None], 0.0)
-                v.masked_fill_(bad[..., None], 0.0)
-            for h in range(num_kv_heads):
-                if bad is not None:
-                    poisoned[:, h] |= (~hidden & bad[:, None, None, :, h]).any(dim=-1)
-                logits = (qt[:, h] @ k[:, :, h].transpose(-1, -2)).view(num_seqs, q1 - q0, group, kv_tile)
-                logits = _capped(logits * logit_scale[h], soft_cap).masked_fill_(hidden, float("-inf"))
-                new_max = torch.maximum(row_max[:, h], logits.amax(dim=-1))
-                safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows that see nothing yet
-                weights = torch.exp(logits.sub_(safe_max[..., None]))
-                correction = torch.exp(row_max[:, h] - safe_max)
-                row_sum[:, h] = row_sum[:, h] * correction + weights.sum(dim=-1)
-                pv = weights.view(num_seqs, -1, kv_tile) @ v[:, :, h]
-                acc[:, h] = acc[:, h] * correction[..., None] + pv.view(num_seqs, q1 - q0, group, head_size)
-                row_max[:, h] = new_max
-        out[:, :, q0:q1] = (acc / row_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).masked_fill_(
-            poisoned[..., None], float("nan"))
-    out *= v_scale.float().view(1, num_kv_heads, 1, 1, 1)
-    # back to token-major rows, keeping only the real ones
-    out = out.permute(0, 2, 1, 3, 4).reshape(num_seqs, max_q, num_q_heads, head_size)
-    return out[real_row].to(query.dtype)
+def _merged(partials, h: int) -> torch.Tensor:
+    """Kv head ``h``'s output over every page tile: each tile's partial weighted by its share of
+    the softmax's denominator."""
+    if len(partials) == 1:
+        return partials[0][0][h]
+    lse = torch.stack([lses[h] for _, lses in partials])  # [tiles, n, R, G, 1]
+    shares = torch.exp(lse - lse.logsumexp(dim=0, keepdim=True))
+    return (shares * torch.stack([heads[h] for heads, _ in partials])).sum(dim=0)
