@@ -4,7 +4,8 @@
 
 B * H sized to the device (CPU: B 1, H 8; CUDA: B 4, H 32), D = 64 and 128, causal and not, N = 1k
 upwards (CPU: to 4k; CUDA: to 32k). Timed in one run on the same inputs: ``quantized_attention``
-(the backend a user gets there, ``per_block``/``fp16``), ``scaled_dot_product_attention`` on
+(the backend a user gets there, ``per_block``/``fp16``, Q and K smoothed; and without Q smoothing,
+whose means and key bias the op computes before the kernels), ``scaled_dot_product_attention`` on
 the same dtype (float16 on CUDA, where it takes the flash or efficient kernel; float32 on CPU,
 where the reduced-precision CPU kernels are slower), and SageAttention's own kernels
 (``sageattn``) where they import (CUDA only). Forward, and forward+backward with every input
@@ -63,6 +64,8 @@ def measure(n: int, d: int, causal: bool, batch_heads, device, dtype, budget: fl
     truth = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     paths = {
         "ours": lambda q, k, v: torch_kernels.quantized_attention(q, k, v, causal=causal),
+        "ours, smooth_q=False": lambda q, k, v: torch_kernels.quantized_attention(q, k, v, causal=causal,
+                                                                                  smooth_q=False),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
     sageattn = sage() if device.type == "cuda" else None
@@ -145,7 +148,8 @@ def main(argv=None) -> int:
                 rows += measure(n, d, causal, batch_heads, device, dtype, budget)
                 print(f"N {n} D {d} causal {causal}: done", flush=True)
     text = (f"# Quantized attention\n\n{machine_line()}; {args.device}, {dtype}, B {batch_heads[0]}, "
-            f"H {batch_heads[1]}; ours: {'triton' if cuda else 'reference'} backend, per_block, fp16 P.V. "
+            f"H {batch_heads[1]}; ours: {'triton' if cuda else 'reference'} backend, per_block, fp16 P.V, Q and K "
+            f"smoothed unless said. "
             f"Goal on an H200: {GOAL}x SDPA at N >= 4k, D = 128.\n\n" + table(rows) + "\n")
     print(text)
     stem = RESULTS / ("quantized_attention-quick" if args.quick else "quantized_attention")

@@ -11,27 +11,29 @@ concrete ``cu_seqlens`` offsets. Outside the kernels (jnp) every sequence's quer
 to whole query blocks and its keys to whole key blocks, with zero rows, heads first; the query
 heads that share a kv head are stacked, ``[Hkv, G, rows, D]``. A sequence thus starts at a
 multiple of 128 rows, so every quantization group is a fixed reshape of the rows, and zero
-padding changes no group's amax. Keys are smoothed (minus their sequence's mean, the op's
-``k_mean``) before padding, so padding rows stay zero.
+padding changes no group's amax. Keys and queries are smoothed (minus their sequence's mean, the
+op's ``k_mean`` and ``q_mean``) before padding, so padding rows stay zero.
 
-**Quantization** (jnp, fused by XLA; :func:`quantize_inputs` returns it): queries
-``float32(q) * float32(sm_scale log2 e)`` (the constant rounded once, on the host) and smoothed
-keys, per group ``scale = amax / 127`` (1 where 0; a NaN makes amax inf), entries
+**Quantization** (jnp, fused by XLA; :func:`quantize_inputs` returns it): smoothed queries
+``(float32(q) - q_mean) * float32(sm_scale log2 e)`` (the constant rounded once, on the host) and
+smoothed keys, per group ``scale = amax / 127`` (1 where 0; a NaN makes amax inf), entries
 ``round_half_even(x / scale)`` clamped to +-127, NaN stored as 0. The divisions are true
 divisions (XLA would otherwise multiply by a reciprocal, an ulp off; see :func:`_divide`), which
 is what makes the int8 values the reference's bit for bit on CPU; a TPU's float32 division is
 not checked here. Values for ``pv_dtype``: ``"fp16"`` V rounded to float16 (held as float32:
 Mosaic has no float16), ``"fp8"`` V per (sequence, head, channel) scaled to float8_e4m3fn (held as
 bfloat16, exact), ``"none"`` V as given (float16 as float32). The granularity, the smoothing
-flag, the mask and sm_scale are traced values, not static ones: they change no shape, and in
-interpret mode every compile costs seconds.
+(K's a flag, Q's means and key bias zeros when off, which change no number), the mask and
+sm_scale are traced values, not static ones: they change no shape, and in interpret mode every
+compile costs seconds (on a TPU, unsmoothed queries still read a zero key bias).
 
 **Forward kernel.** Grid (kv head, query block, key block): a step holds the ``G`` query heads
 of its kv head as one ``[G * block_q, D]`` int8 matrix and walks its key block in 64-key tiles,
-the reference's softmax tiles: ``s = (float32(q8 k8^T) * q_scale) * k_scale`` (int8 x int8 ->
-int32 dot), masked to -inf outside the sequence and causal window, ``m' = max(m, rowmax s)``,
-``p = exp2(s - m')``, ``l = l exp2(m - m') + rowsum p``, ``acc = acc exp2(m - m') + P V`` with P
-rounded as the MMA would read it: to float16 (``"fp16"``, and ``"none"`` for float16 inputs; by
+the reference's softmax tiles: ``s = (float32(q8 k8^T) * q_scale) * k_scale + key_bias`` (int8
+x int8 -> int32 dot; the key bias, Q smoothing's scores, per query head and key), masked to -inf
+outside the sequence and causal window, ``m' = max(m, rowmax s)``, ``p = exp2(s - m')``,
+``l = l exp2(m - m') + rowsum p``, ``acc = acc exp2(m - m') + P V`` with P rounded as the MMA
+would read it: to float16 (``"fp16"``, and ``"none"`` for float16 inputs; by
 integer rounding of the bits, Mosaic having no float16), ``e4m3fn(448 p)`` (``"fp8"``, also by
 bits, then exact in bfloat16), bfloat16, or float32. Scalar prefetch gives each query block its
 sequence, its first row, and the key blocks it sees (bottom-right causal blocks past the
@@ -379,8 +381,8 @@ def _forward_kernel(seq_ref, row0_ref, first_ref, last_ref, seen_ref, q_len_ref,
     del first_ref, last_ref  # used by the index maps only
     refs = list(refs)
     if quantized:
-        q_ref, qs_ref, k_ref, ks_ref, v_ref = refs[:5]
-        refs = refs[5:]
+        q_ref, qs_ref, k_ref, ks_ref, bias_ref, v_ref = refs[:6]
+        refs = refs[6:]
     else:
         c_ref, q_ref, k_ref, v_ref = refs[:4]
         refs = refs[4:]
@@ -408,7 +410,9 @@ def _forward_kernel(seq_ref, row0_ref, first_ref, last_ref, seen_ref, q_len_ref,
             k = k_ref[pl.ds(t * TILE_K, TILE_K), :]
             if quantized:
                 s_int = _dot_t(q, k, out=jnp.int32)  # int8 x int8 -> int32 on the MXU, exact
-                s = s_int.astype(_F32) * q_scale * ks_ref[pl.ds(t, 1), :]
+                # Q smoothing's key bias [G, 64] (zeros without it), row g * block_q + i taking head g's
+                bias = jnp.broadcast_to(bias_ref[:, pl.ds(t, 1), :], (group, block_q, TILE_K)).reshape(rows, TILE_K)
+                s = s_int.astype(_F32) * q_scale * ks_ref[pl.ds(t, 1), :] + bias
             else:
                 s = _dot_t(q, k, _HIGHEST) * c_ref[0]
             k_pos = j * block_k + t * TILE_K + jax.lax.broadcasted_iota(jnp.int32, (rows, TILE_K), 1)
@@ -440,12 +444,13 @@ def _p_form(pv_dtype: str, dtype) -> str:
     return "bf16" if dtype == jnp.bfloat16 else "f32"
 
 
-def _run_forward(st: _Static, lay: _Layout, q, k, v, q_scale=None, k_scale=None, v_factor=None, c=None):
+def _run_forward(st: _Static, lay: _Layout, q, k, v, q_scale=None, k_scale=None, bias=None, v_factor=None, c=None):
     """The forward kernel: (out ``[Hkv, G, Pq, D]``, ``m + log2 l`` ``[Hkv, G, Pq, 1]``).
 
     Quantized: q, k int8 with scales ``[Hkv, G, Pq, 1]`` / ``[Hkv, Pk / block_k, block_k / 64, 64]``,
-    v as the MMA reads it, ``v_factor`` ``[S, Hkv, 1, D]`` for fp8. Exact (``c`` given: float32
-    ``[1]`` holding ``sm_scale log2 e``): float32 q, k, v."""
+    the key bias ``[Hkv, G, Pk / block_k, block_k / 64, 64]``, v as the MMA reads it, ``v_factor``
+    ``[S, Hkv, 1, D]`` for fp8. Exact (``c`` given: float32 ``[1]`` holding ``sm_scale log2 e``):
+    float32 q, k, v."""
     kv_heads, group, q_rows, head_size = q.shape
     bq, bk = st.block_q, st.block_k
     quantized = c is None
@@ -460,7 +465,10 @@ def _run_forward(st: _Static, lay: _Layout, q, k, v, q_scale=None, k_scale=None,
     kv_spec = pl.BlockSpec((None, bk, head_size), lambda h, i, j, *r: (h, k_block(h, i, j, *r), 0))
     if quantized:
         ks_spec = pl.BlockSpec((None, None, bk // TILE_K, TILE_K), lambda h, i, j, *r: (h, k_block(h, i, j, *r), 0, 0))
-        in_specs, operands = [q_spec, col_spec, kv_spec, ks_spec, kv_spec], [q, q_scale, k, k_scale, v]
+        bias_spec = pl.BlockSpec((None, group, None, bk // TILE_K, TILE_K),
+                                 lambda h, i, j, *r: (h, 0, k_block(h, i, j, *r), 0, 0))
+        in_specs = [q_spec, col_spec, kv_spec, ks_spec, bias_spec, kv_spec]
+        operands = [q, q_scale, k, k_scale, bias, v]
     else:
         in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), q_spec, kv_spec, kv_spec]
         operands = [c, q, k, v]
@@ -604,19 +612,22 @@ def _grouped(rows, kv_heads: int):
     return rows.reshape((kv_heads, rows.shape[0] // kv_heads) + rows.shape[1:])
 
 
-def _prepare(st: _Static, lay: _Layout, q, k, v, k_mean, options):
+def _prepare(st: _Static, lay: _Layout, q, k, v, k_mean, q_mean, options):
     """The kernel's quantized operands on padded rows: float32 query rows ``[Hq, Pq, D]`` (for the
     smoothing's lse term), int8 q ``[Hq, Pq, D]`` and its scales ``[Hq, Pq]``, int8 k ``[Hkv, Pk,
     D]`` and its scales ``[Hkv, Pk]``, V as the MMA reads it and, for fp8, ``v_scale [S, Hkv, D]``.
     ``options``: float32 ``[folded scale, sm_scale, granularity index, smoothing flag]``; the key
-    mean is subtracted only where the flag is set (so that without it the keys are exact)."""
+    mean is subtracted only where the flag is set (so that without it the keys are exact). The
+    query mean ``[S, Hq, D]`` is always subtracted (zeros without Q smoothing: exact too)."""
     granularity = options[2].astype(jnp.int32)
     q_rows = _rows(q, lay.q_gather).astype(_F32)
     k_rows = _rows(k, lay.k_gather).astype(_F32)
     mean = jnp.moveaxis(jnp.concatenate([k_mean.astype(_F32), jnp.zeros((1,) + k_mean.shape[1:], _F32)]), 0, 1)
     smoothed = (lay.k_seq < st.num_seqs)[None, :, None] & (options[3] > 0)  # padding rows stay zero
     k_rows = jnp.where(smoothed, k_rows - mean[:, lay.k_seq], k_rows)
-    q8, q_scale = quantize_int8(q_rows * options[0], "q", granularity)
+    real = (lay.q_gather < q.shape[0] * q.shape[2])[None, :, None]  # padding rows stay zero
+    q_smoothed = jnp.where(real, q_rows - jnp.moveaxis(q_mean.astype(_F32)[lay.q_seq], 0, 1), q_rows)
+    q8, q_scale = quantize_int8(q_smoothed * options[0], "q", granularity)
     k8, k_scale = quantize_int8(k_rows, "k", granularity)
     v_rows = _rows(v, lay.k_gather)
     v_scale = None
@@ -629,15 +640,16 @@ def _prepare(st: _Static, lay: _Layout, q, k, v, k_mean, options):
     return q_rows, q8, q_scale, k8, k_scale, v_read, v_scale
 
 
-def _forward(st: _Static, lay: _Layout, q, k, v, k_mean, options):
+def _forward(st: _Static, lay: _Layout, q, k, v, k_mean, q_mean, key_bias, options):
     """(out in q's dtype, natural lse float32) of the quantized attention, ``[B, H, N, ...]``."""
     batch, _, nq, _ = q.shape
     kv_heads = k.shape[1]
-    q_rows, q8, q_scale, k8, k_scale, v_read, v_scale = _prepare(st, lay, q, k, v, k_mean, options)
+    q_rows, q8, q_scale, k8, k_scale, v_read, v_scale = _prepare(st, lay, q, k, v, k_mean, q_mean, options)
     v_factor = None if v_scale is None else _divide(v_scale, FP8_MAX)[:, :, None, :]
-    k_blocks = k8.shape[1] // st.block_k
+    tiles = (k8.shape[1] // st.block_k, st.block_k // TILE_K, TILE_K)
+    bias = _grouped(_rows(key_bias[..., None], lay.k_gather)[..., 0], kv_heads)  # [Hkv, G, Pk], padding rows 0
     out, lse2 = _run_forward(st, lay, _grouped(q8, kv_heads), k8, v_read, _grouped(q_scale, kv_heads)[..., None],
-                             k_scale.reshape(kv_heads, k_blocks, st.block_k // TILE_K, TILE_K), v_factor)
+                             k_scale.reshape((kv_heads,) + tiles), bias.reshape(bias.shape[:2] + tiles), v_factor)
     lse = lse2.reshape(q8.shape[:2]) * jnp.float32(LN2)
     # smoothing shifted row i's scores by sm_scale q_i . k_mean; a sequence without keys keeps -inf
     k_mean_rows = jnp.moveaxis(k_mean.astype(_F32)[lay.q_seq], 0, 1)  # [Hkv, Pq, D]
@@ -670,21 +682,22 @@ def _backward(st: _Static, lay: _Layout, do, dlse, q, k, v, options):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st, lay, q, k, v, k_mean, options):
-    return _forward(st, lay, q, k, v, k_mean, options)
+def _attention(st, lay, q, k, v, k_mean, q_mean, key_bias, options):
+    return _forward(st, lay, q, k, v, k_mean, q_mean, key_bias, options)
 
 
-def _attention_fwd(st, lay, q, k, v, k_mean, options):
-    return _forward(st, lay, q, k, v, k_mean, options), (lay, q, k, v, k_mean, options)
+def _attention_fwd(st, lay, q, k, v, k_mean, q_mean, key_bias, options):
+    residuals = (lay, q, k, v, k_mean, q_mean, key_bias, options)
+    return _forward(st, lay, q, k, v, k_mean, q_mean, key_bias, options), residuals
 
 
 def _attention_bwd(st, residuals, cotangents):
-    lay, q, k, v, k_mean, options = residuals
+    lay, q, k, v, *smoothing, options = residuals
     d_out, d_lse = cotangents
     dq, dk, dv = _backward(st, lay, d_out, d_lse, q, k, v, options)
-    # straight-through: the quantization (and the smoothing, which leaves the softmax unchanged) is
-    # treated as the identity, so the key mean gets no gradient
-    return None, dq, dk, dv, jnp.zeros_like(k_mean), jnp.zeros_like(options)
+    # straight-through: the quantization (and the smoothing, which the key bias and the lse
+    # correction undo) is treated as the identity, so the means and the key bias get no gradient
+    return (None, dq, dk, dv, *map(jnp.zeros_like, smoothing), jnp.zeros_like(options))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -731,7 +744,7 @@ def _static(q, k, sm_scale, causal, granularity, pv_dtype, smooth, cu_seqlens_q,
     cfg = _resolve_config(config, max([e - s for s, e in spans_k] + [0]))
     lay, k_steps, q_steps = _layout(spans_q, spans_k, batch * nq, batch * nk, cfg.block_q, cfg.block_k,
                                     bool(causal))
-    sm_scale = head_size ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = _default_scale(q, sm_scale)
     st = _Static(pv_dtype=pv_dtype, dtype=jnp.dtype(q.dtype).name, group=heads // kv_heads, block_q=cfg.block_q,
                  block_k=cfg.block_k, k_steps=k_steps, q_steps=q_steps, num_seqs=len(spans_q), interpret=interpret)
     options = jnp.array([folded_scale(sm_scale), sm_scale, GRANULARITIES.index(granularity), float(bool(smooth))],
@@ -743,53 +756,115 @@ def _nothing_to_do(q, lay):
     return q.shape[0] * q.shape[2] == 0 or lay.q_gather.shape[0] == 0
 
 
-def key_mean(k, cu_seqlens_k=None):
-    """float32 ``[S, Hkv, D]``: each sequence's mean key per head (0 for an empty sequence)."""
+def _token_sequences(batch: int, length: int, cu_seqlens) -> np.ndarray:
+    """The sequence of each of the ``batch * length`` tokens: its batch element, or by the offsets
+    (``S``, one past the last sequence, beyond them)."""
+    if cu_seqlens is None:
+        return np.repeat(np.arange(batch, dtype=np.int32), length)
+    ends = np.asarray(_offsets(cu_seqlens, "cu_seqlens")[1:], np.int64)
+    return np.searchsorted(ends, np.arange(batch * length), side="right").astype(np.int32)
+
+
+def sequence_mean(x, cu_seqlens=None):
+    """float32 ``[S, H, D]``: each sequence's mean row per head of ``x [B, H, N, D]`` (0 for an
+    empty sequence); the smoothing means of keys and of queries."""
+    batch, heads, length, head_size = x.shape
+    if cu_seqlens is None:
+        return x.astype(_F32).mean(axis=2) if length else jnp.zeros((batch, heads, head_size), _F32)
+    bounds = np.asarray(_offsets(cu_seqlens, "cu_seqlens"), np.int64)
+    rows = jnp.moveaxis(x[0].astype(_F32), 1, 0)  # [N, H, D]
+    sums = jax.ops.segment_sum(rows, _token_sequences(1, length, cu_seqlens), num_segments=len(bounds))[:-1]
+    return sums / np.maximum(np.diff(bounds), 1).astype(np.float32)[:, None, None]
+
+
+def key_bias(k, k_mean, q_mean, sm_scale, cu_seqlens_k=None):
+    """float32 ``[B, Hq, Nk]``: the scores Q smoothing takes out of the queries, ``(q_mean[s, h] .
+    k_s[j]) * float32(sm_scale log2 e)`` for every key ``j`` of sequence ``s``, ``k_s`` the keys
+    minus ``k_mean`` (if given); ``q_mean [S, Hq, D]``, ``k_mean [S, Hkv, D]``."""
     batch, kv_heads, nk, head_size = k.shape
-    if cu_seqlens_k is None:
-        return k.astype(_F32).mean(axis=2) if nk else jnp.zeros((batch, kv_heads, head_size), _F32)
-    bounds = _offsets(cu_seqlens_k, "cu_seqlens_k")
-    means = [k[0, :, s:e].astype(_F32).mean(axis=1) if e > s else jnp.zeros((kv_heads, head_size), _F32)
-             for s, e in zip(bounds[:-1], bounds[1:])]
-    return jnp.stack(means) if means else jnp.zeros((0, kv_heads, head_size), _F32)
+    heads = q_mean.shape[1]
+    seq = _token_sequences(batch, nk, cu_seqlens_k)
+    pad = jnp.zeros((1, heads, head_size), _F32)  # the means of tokens past the last sequence
+    keys = jnp.moveaxis(k.astype(_F32), 1, 2).reshape(-1, kv_heads, head_size)  # [tokens, Hkv, D]
+    if k_mean is not None:
+        keys = keys - jnp.concatenate([k_mean.astype(_F32), pad[:, :kv_heads]])[seq]
+    means = jnp.concatenate([q_mean.astype(_F32), pad])[seq].reshape(-1, kv_heads, heads // kv_heads, head_size)
+    bias = jnp.einsum("thgd,thd->thg", means, keys, precision=_HIGHEST) * jnp.float32(folded_scale(sm_scale))
+    return jnp.moveaxis(bias.reshape(batch, nk, heads), 2, 1)
 
 
-def _smoothing(k, smooth_k, k_mean, cu_seqlens_k, num_seqs):
-    """(whether to smooth, the key mean or zeros)."""
-    smooth = bool(smooth_k) or k_mean is not None
-    if smooth and k_mean is None:
-        k_mean = key_mean(k, cu_seqlens_k)
-    if not smooth:
-        k_mean = jnp.zeros((num_seqs,) + (k.shape[1], k.shape[3]), _F32)
-    return smooth, k_mean
+def _default_scale(q, sm_scale) -> float:
+    return q.shape[3] ** -0.5 if sm_scale is None else float(sm_scale)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 8, 9, 10))
+def _smoothing(q, k, sm_scale, smooth_q, smooth_k, k_mean, q_mean, bias, cu_seqlens_q, cu_seqlens_k, num_seqs):
+    """``(k_mean, q_mean, key_bias)``: those given, else computed where ``smooth_k`` / ``smooth_q``
+    ask (the bias from the key mean in use), else None, or zeros where ``num_seqs`` is given (with
+    zeros the kernels' numbers are exactly those without that smoothing). One program, rather than
+    an eager op (each a compile) per step; the offsets are tuples (static)."""
+    # the gradient treats the smoothing as a constant (straight-through), so the vjp keeps no
+    # residuals of it (NumPy ones, such as the sequences' sizes, which torchax could not hold)
+    q, k, k_mean, q_mean, bias = jax.lax.stop_gradient((q, k, k_mean, q_mean, bias))
+    if k_mean is None and smooth_k:
+        k_mean = sequence_mean(k, cu_seqlens_k)
+    if q_mean is None and smooth_q:
+        q_mean = sequence_mean(q, cu_seqlens_q)
+        bias = key_bias(k, k_mean, q_mean, _default_scale(q, sm_scale), cu_seqlens_k)
+    if num_seqs is None:
+        return k_mean, q_mean, bias
+    (batch, heads, _, head_size), (kv_heads, nk) = q.shape, k.shape[1:3]
+    return (jnp.zeros((num_seqs, kv_heads, head_size), _F32) if k_mean is None else k_mean,
+            jnp.zeros((num_seqs, heads, head_size), _F32) if q_mean is None else q_mean,
+            jnp.zeros((batch, heads, nk), _F32) if bias is None else bias)
+
+
+def _static_offsets(*cu_seqlens):
+    return [None if cu is None else _offsets(cu, "cu_seqlens") for cu in cu_seqlens]
+
+
+def smoothing(q, k, sm_scale=None, smooth_q=True, smooth_k=True, cu_seqlens_q=None, cu_seqlens_k=None):
+    """``(k_mean [S, Hkv, D], q_mean [S, Hq, D], key_bias [B, Hq, Nk])``, the smoothing the kernels
+    apply (None where that smoothing is off): each sequence's mean key and query, and the scores
+    that subtracting the query mean takes out, which the kernels add back per key."""
+    return _smoothing(q, k, sm_scale, bool(smooth_q), bool(smooth_k), None, None, None,
+                      *_static_offsets(cu_seqlens_q, cu_seqlens_k), None)
 
 
 _attention_call = _compiled(_attention)
 
 
 def quantized_attention(q, k, v, sm_scale=None, causal=False, granularity="per_block", pv_dtype="fp16",
-                        smooth_k=True, cu_seqlens_q=None, cu_seqlens_k=None, *, k_mean=None, interpret=None,
-                        config: Config | None = None):
+                        smooth_k=True, cu_seqlens_q=None, cu_seqlens_k=None, *, smooth_q=True, k_mean=None,
+                        q_mean=None, key_bias=None, interpret=None, config: Config | None = None):
     """SageAttention's quantized attention by the Pallas kernels: ``(out [B, Hq, Nq, D] in q's
     dtype, natural-log lse float32 [B, Hq, Nq])``.
 
     q ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]`` (float16, bfloat16, float32; ``Hq`` a
     multiple of ``Hkv``; D in 64, 96, 128); options as ``torch_kernels.quantized_attention``.
-    ``cu_seqlens_*`` (B = 1) must be concrete (NumPy, a tuple or an unjitted array). ``k_mean``
-    ``[S, Hkv, D]`` is the smoothing mean to use (default :func:`key_mean` when ``smooth_k``).
-    Differentiable in q, k and v (``jax.grad``): the gradient of exact attention (straight-through).
+    ``cu_seqlens_*`` (B = 1) must be concrete (NumPy, a tuple or an unjitted array). The smoothing
+    to use, default :func:`smoothing`'s where ``smooth_k`` / ``smooth_q`` ask for it (giving one
+    turns its smoothing on): ``k_mean [S, Hkv, D]``; ``q_mean [S, Hq, D]`` and ``key_bias [B, Hq,
+    Nk]`` together. Differentiable in q, k and v (``jax.grad``): the gradient of exact attention
+    (straight-through).
     """
+    if (q_mean is None) != (key_bias is None):
+        raise ValueError("q_mean, key_bias: expected both (Q smoothing) or neither, got "
+                         f"{'q_mean' if key_bias is None else 'key_bias'} alone")
     smooth = bool(smooth_k) or k_mean is not None
     st, lay, options = _static(q, k, sm_scale, causal, granularity, pv_dtype, smooth, cu_seqlens_q, cu_seqlens_k,
                                interpret, config)
-    _, k_mean = _smoothing(k, smooth_k, k_mean, cu_seqlens_k, st.num_seqs)
+    smoothing_operands = _smoothing(q, k, sm_scale, bool(smooth_q), bool(smooth_k), k_mean, q_mean, key_bias,
+                                    *_static_offsets(cu_seqlens_q, cu_seqlens_k), st.num_seqs)
+    if not isinstance(q, jax.core.Tracer):  # placed alike whether given or made here: else a jit compiles again
+        smoothing_operands = jax.device_put(smoothing_operands, q.sharding)
     if _nothing_to_do(q, lay):
         return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, _F32)
-    return _attention_call(st, lay, q, k, v, k_mean, options)
+    return _attention_call(st, lay, q, k, v, *smoothing_operands, options)
 
 
-def _quantize(st, lay, q, k, v, k_mean, options):
-    _, q8, q_scale, k8, k_scale, v_read, v_scale = _prepare(st, lay, q, k, v, k_mean, options)
+def _quantize(st, lay, q, k, v, k_mean, q_mean, options):
+    _, q8, q_scale, k8, k_scale, v_read, v_scale = _prepare(st, lay, q, k, v, k_mean, q_mean, options)
     (batch, _, nq, _), nk = q.shape, k.shape[2]
     q_side = [_tokens(x, lay.q_scatter, batch, nq) for x in (q8, q_scale)]
     k_side = [_tokens(x, lay.k_scatter, batch, nk) for x in (k8, k_scale, v_read)]
@@ -800,16 +875,18 @@ _quantize_call = _compiled(_quantize)
 
 
 def quantize_inputs(q, k, v, sm_scale=None, granularity="per_block", pv_dtype="fp16", smooth_k=True,
-                    cu_seqlens_q=None, cu_seqlens_k=None, *, k_mean=None):
+                    cu_seqlens_q=None, cu_seqlens_k=None, *, smooth_q=True, k_mean=None, q_mean=None):
     """What the forward kernel reads, in the inputs' layout: ``(q_int8 [B, Hq, Nq, D], q_scale
     [B, Hq, Nq], k_int8 [B, Hkv, Nk, D], k_scale [B, Hkv, Nk], V as P.V reads it [B, Hkv, Nk, D]
     (float32, or bfloat16 holding float8_e4m3fn values), v_scale [S, Hkv, D] (fp8; else None))``;
-    arguments as :func:`quantized_attention`. The int8 values and scales are the reference's."""
+    arguments as :func:`quantized_attention` (the key bias is not quantized). The int8 values and
+    scales are the reference's."""
     smooth = bool(smooth_k) or k_mean is not None
     st, lay, options = _static(q, k, sm_scale, False, granularity, pv_dtype, smooth, cu_seqlens_q, cu_seqlens_k,
                                None, None)
-    _, k_mean = _smoothing(k, smooth_k, k_mean, cu_seqlens_k, st.num_seqs)
-    return _quantize_call(st, lay, q, k, v, k_mean, options)
+    k_mean, q_mean, _ = _smoothing(q, k, sm_scale, bool(smooth_q), bool(smooth_k), k_mean, q_mean, None,
+                                   *_static_offsets(cu_seqlens_q, cu_seqlens_k), st.num_seqs)
+    return _quantize_call(st, lay, q, k, v, k_mean, q_mean, options)
 
 
 _backward_call = _compiled(_backward)

@@ -60,6 +60,16 @@ def test_sycl_linear_attention_builds_spirv():
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 
 
+def test_sycl_quantized_attention_builds_spirv():
+    require_backend("sycl")
+    from oneapi_impl import quantized_attention
+
+    binaries = quantized_attention.spirv_binaries()
+    assert len(binaries) == 3  # three input dtypes
+    for spv in binaries:
+        assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
+
+
 # --- Triton: every kernel at its default config, compiled for sm_90 and sm_80 ---------------------
 
 # The most shared memory one block may use, in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin, the
@@ -121,8 +131,6 @@ def linear_attention_builds(size: int, dtypes) -> list[Build]:
 
 
 def paged_attention_builds(head_size: int, cases) -> list[Build]:
-    import triton
-
     from triton_impl import paged_attention as pa
 
     types = pa._TRITON_TYPES
@@ -138,13 +146,10 @@ def paged_attention_builds(head_size: int, cases) -> list[Build]:
         builds.append(Build(f"paged_attention {label}", pa.paged_attention_kernel, signature, constexprs, num_warps,
                             config.num_stages, True))
         dims = dict(D=head_size, DP=constexprs["DP"])
-        builds.append(Build(f"reshape_and_cache {label}", pa.reshape_and_cache_kernel, {
-            "key_ptr": signature["key_ptr"], "value_ptr": signature["value_ptr"],
-            "key_cache_ptr": signature["key_cache_ptr"], "value_cache_ptr": signature["value_cache_ptr"],
-            "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **dict.fromkeys(
-                ("HKV", "D", "HP", "DP", "CACHE_KIND"), "constexpr")},
-            dict(HKV=constexprs["HKV"], HP=triton.next_power_of_2(constexprs["HKV"]),
-                 CACHE_KIND=constexprs["CACHE_KIND"], **dims), 4, None, False))
+        write_signature, write_constexprs = pa.write_compile_targets(query_dtype, cache_dtype, head_size,
+                                                                     constexprs["HKV"], constexprs["BLOCK_SIZE"])
+        builds.append(Build(f"reshape_and_cache {label}", pa.reshape_and_cache_kernel, write_signature,
+                            write_constexprs, 4, None, False))
         builds.append(Build(f"merge_splits {_name(query_dtype)} out, {MAX_SPLITS} splits, D={head_size}",
                             pa.merge_splits_kernel, {
                                 "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",

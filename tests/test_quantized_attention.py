@@ -36,6 +36,7 @@ PV_DTYPES = reference.PV_DTYPES
 # (test_fp8_gate_is_the_operand_rounding); the gate leaves that floor 1.6x room.
 GATES = {"fp16": (0.999, 0.03), "none": (0.999, 0.03), "fp8": (0.998, 0.06)}
 KEY_OFFSET = 20.0  # per-channel key offsets of this size (times a standard normal) defeat unsmoothed int8 keys
+QUERY_OFFSET = 40.0  # and +-40 on a few query channels (outliers, as SmolLM2's) unsmoothed int8 queries
 # Pallas runs here in TPU interpret mode, where each new shape, dtype or pv_dtype compiles a program
 # (1-3 s; the mask, granularity and smoothing do not): on it the option matrices below run along
 # their diagonal (every option once), and test_quantized_attention_pallas.py holds the whole
@@ -83,12 +84,19 @@ def logsumexp_float32(q, k, causal=False, sm_scale=None):
     return scores.logsumexp(dim=-1)
 
 
-def make_qkv(b=2, hq=4, hkv=2, nq=150, nk=150, d=64, dtype=torch.float16, key_offset=0.0, seed=0, requires_grad=False):
-    """Random ``[B, H, N, D]`` q, k, v; ``key_offset`` adds a per-(head, channel) constant to the keys."""
+def make_qkv(b=2, hq=4, hkv=2, nq=150, nk=150, d=64, dtype=torch.float16, key_offset=0.0, seed=0, requires_grad=False,
+             query_offset=0.0):
+    """Random ``[B, H, N, D]`` q, k, v; ``key_offset`` adds a per-(head, channel) constant of that
+    scale to the keys; ``query_offset`` adds +-``query_offset`` to 4 channels of each query head, on
+    which the keys are nearly constant (their noise scaled by 0.05), as with LLMs' outlier channels."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, nq, d, generator=gen)
-    k = torch.randn(b, hkv, nk, d, generator=gen) + key_offset * torch.randn(1, hkv, 1, d, generator=gen)
+    k = torch.randn(b, hkv, nk, d, generator=gen)
+    k = k + key_offset * torch.randn(1, hkv, 1, d, generator=gen)
     v = torch.randn(b, hkv, nk, d, generator=gen)
+    if query_offset:  # drawn last, so that the other tensors stay those of the same seed
+        q[..., :4] += query_offset * torch.randn(1, hq, 1, 4, generator=gen).sign()
+        k[..., :4] -= 0.95 * (k[..., :4] - k[..., :4].mean(dim=2, keepdim=True))
     return tuple(t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
 
 
@@ -166,6 +174,31 @@ def test_key_offsets_need_smoothing(backend, granularity, pv_dtype):
     assert cos < min_cos and l1 > max_l1, figures
 
 
+@pytest.mark.parametrize("pv_dtype", PV_DTYPES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_query_offsets_need_smoothing(backend, granularity, pv_dtype):
+    """Queries with large per-channel offsets (as SmolLM2's): unsmoothed int8 queries spend their
+    range on the offset and fail the gate; smoothed ones, with the offset's scores returned as a
+    key bias, pass it."""
+    require_backend(backend)
+    diagonal_only(backend, GRANULARITIES.index(granularity), PV_DTYPES.index(pv_dtype))
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, nq=190, nk=190, d=128, dtype=torch.bfloat16, key_offset=KEY_OFFSET,
+                       query_offset=QUERY_OFFSET, seed=5)
+    want = sdpa_float32(q, k, v, causal=True)
+    min_cos, max_l1 = GATES[pv_dtype]
+    figures = {}
+    for smooth_q in (True, False):
+        out = torch_kernels.quantized_attention(q, k, v, causal=True, granularity=granularity, pv_dtype=pv_dtype,
+                                                smooth_q=smooth_q, implementation=backend)
+        figures[smooth_q] = accuracy(out, want)
+        report(f"query offsets {granularity} {pv_dtype} smooth_q={smooth_q}", *figures[smooth_q])
+    cos, l1 = figures[True]
+    assert cos >= min_cos and l1 <= max_l1, figures
+    cos, l1 = figures[False]
+    assert cos < min_cos or l1 > max_l1, figures
+
+
 def test_fp8_gate_is_the_operand_rounding():
     """The fp8 gate's justification: exact float32 scores and softmax, then P and V rounded to
     float8_e4m3fn as the FP8 MMA reads them (V per channel, P scaled by 448), already lose about
@@ -202,7 +235,7 @@ def test_quantization_groups_and_scales():
     q = torch.randn(3, 130, 64, generator=gen, dtype=torch.float64).half()
     q[1] = 0  # an all-zero group: scale 1, entries 0
     for granularity in GRANULARITIES:
-        q8, scale = reference.quantize_queries(q, 0.125, granularity)
+        q8, scale = reference.quantize_queries(q, None, 0.125, granularity)
         group, _ = reference.row_groups(130, "q", granularity)
         folded = q.float() * torch.tensor(0.125 * reference.LOG2E, dtype=torch.float32).item()
         for g in group.unique():
@@ -215,12 +248,27 @@ def test_quantization_groups_and_scales():
 
 
 def test_smoothing_and_int8_matmul_are_exact():
-    """Smoothed keys are centred; the emulated int8 GEMM equals int32 accumulation (torch._int_mm)."""
+    """Smoothed keys and queries are centred, the key bias is exactly the scores Q smoothing took
+    out, and the emulated int8 GEMM equals int32 accumulation (torch._int_mm)."""
     gen = torch.Generator().manual_seed(6)
     k = torch.randn(2, 3, 50, 16, generator=gen) + 30
-    mean = reference.key_mean(k)
-    k8, _ = reference.quantize_keys(k[0], mean[0], "per_block")
-    assert k8.float().mean(dim=1).abs().max() < 2  # centred: the offset is gone
+    q = torch.randn(2, 6, 40, 16, generator=gen) - 20
+    k_mean, q_mean, bias = reference.smoothing(q, k, 0.3, True, True)
+    k8, _ = reference.quantize_keys(k[0], k_mean[0], "per_block")
+    q8, _ = reference.quantize_queries(q[0], q_mean[0], 0.3, "per_block")
+    assert k8.float().mean(dim=1).abs().max() < 2 and q8.float().mean(dim=1).abs().max() < 2  # the offsets are gone
+    k_s = k.double() - k.double().mean(dim=2, keepdim=True)
+    exact = q.double().mean(dim=2, keepdim=True) @ k_s.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.3 * reference.LOG2E
+    torch.testing.assert_close(bias, exact.squeeze(2).float(), rtol=1e-5, atol=1e-4)
+    cu = torch.tensor([0, 20, 20, 50])  # packed: each key takes its own sequence's means
+    packed_k, packed_q = k[:1].repeat(1, 1, 1, 1), q[:1, :, :50].repeat(1, 1, 1, 1)
+    k_mean, q_mean, bias = reference.smoothing(packed_q, packed_k, 0.3, True, True, cu, cu)
+    for s, (start, end) in enumerate([(0, 20), (20, 20), (20, 50)]):
+        if end > start:
+            _, _, want = reference.smoothing(packed_q[:, :, start:end], packed_k[:, :, start:end], 0.3, True, True)
+            torch.testing.assert_close(bias[:, :, start:end], want, rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(q_mean[s], packed_q[0, :, start:end].mean(dim=1))
+    assert torch.all(q_mean[1] == 0) and torch.all(k_mean[1] == 0)
     a = torch.randint(-127, 128, (3, 33, 256), generator=gen, dtype=torch.int8)
     b = torch.randint(-127, 128, (3, 256, 65), generator=gen, dtype=torch.int8)
     s = reference.int8_matmul(a, b)
@@ -238,10 +286,11 @@ def test_online_softmax_matches_untiled_definition(backend, pv_dtype):
     tolerance = {"none": 1e-5, "fp16": 2e-3, "fp8": 0.05}[pv_dtype]
     for causal in (False, True):
         q, k, v = make_qkv(b=2, hq=6, hkv=3, nq=97, nk=201, d=64, dtype=torch.float32, key_offset=3.0, seed=7)
-        mean = reference.key_mean(k)
+        smoothing = reference.smoothing(q, k, 0.125, True, True)
         out, lse = torch_kernels.quantized_attention(q, k, v, causal=causal, granularity="per_thread",
                                                      pv_dtype=pv_dtype, return_lse=True, implementation=backend)
-        want, want_lse = reference.quantized_attention_naive(q, k, v, mean, 0.125, causal, "per_thread", pv_dtype)
+        want, want_lse = reference.quantized_attention_naive(q, k, v, *smoothing, 0.125, causal, "per_thread",
+                                                             pv_dtype)
         assert accuracy(out, want)[1] <= tolerance
         torch.testing.assert_close(lse, want_lse.float(), rtol=1e-5, atol=1e-4)
 
@@ -293,12 +342,15 @@ def test_causal_rows_without_keys(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_spreads_over_its_quantization_group(backend):
-    """A NaN is never dropped: it reaches the rows that share its int8 scale, and only those."""
+    """A NaN is never dropped: it reaches the rows that share its int8 scale (with Q smoothing, its
+    whole head, through the mean), and only those."""
     require_backend(backend)
     q, k, v = make_qkv(b=1, hq=2, hkv=1, nq=200, nk=200, d=64, dtype=torch.float32, seed=26)
     q[0, 1, 5, 3] = float("nan")  # query group 0 (rows 0-127) of head 1
-    bad = torch_kernels.quantized_attention(q, k, v, implementation=backend).isnan().any(dim=-1)[0]
+    bad = torch_kernels.quantized_attention(q, k, v, smooth_q=False, implementation=backend).isnan().any(dim=-1)[0]
     assert bad[1, :128].all() and not bad[1, 128:].any() and not bad[0].any()
+    bad = torch_kernels.quantized_attention(q, k, v, implementation=backend).isnan().any(dim=-1)[0]
+    assert bad[1].all() and not bad[0].any()
     q[0, 1, 5, 3] = 0.0
     k[0, 0, 70, 1] = float("inf")  # key group 1 (keys 64-127): causal rows 64.. see it
     for smooth_k, first_bad in ((False, 64), (True, 0)):
@@ -511,16 +563,17 @@ def test_flop_counter_counts_visible_pairs():
         (2 * 2 * 50 * hq + 2 * 2 * 70 * 2) * d * 4 + 4 * 2 * 50 * hq
 
 
-def test_missing_kernels_are_declined():
-    """The reference and Triton have kernels; SYCL has none, so an order naming it first runs the
-    next backend, and naming it alone fails with the reason."""
-    assert {"reference", "triton"} <= set(backends.implementations("quantized_attention"))
-    assert "sycl" not in backends.implementations("quantized_attention")
-    q, k, v = make_qkv(nq=10, nk=10, seed=24)
-    torch_kernels.quantized_attention(q, k, v, implementation=["sycl", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "pallas", "sycl"])
+def test_declined_calls_fall_through(backend):
+    """A head size the kernels decline runs on the next backend of the order, and naming the
+    declining backend alone fails with its reason."""
+    require_backend(backend)
+    assert backend in backends.implementations("quantized_attention")
+    q, k, v = make_qkv(b=1, hq=2, hkv=1, nq=10, nk=10, d=264, seed=24)
+    torch_kernels.quantized_attention(q, k, v, implementation=[backend, "reference"])
     assert backends.last_backend("quantized_attention") == "reference"
-    with pytest.raises(RuntimeError, match="no kernel registered"):
-        torch_kernels.quantized_attention(q, k, v, implementation="sycl")
+    with pytest.raises(RuntimeError, match="264|head size"):
+        torch_kernels.quantized_attention(q, k, v, implementation=backend)
 
 
 # ---- bad inputs ----

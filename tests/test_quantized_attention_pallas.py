@@ -1,19 +1,20 @@
 """The pallas backend of quantized_attention: the Pallas kernels (TPU interpret mode) against the
 torch reference, tightly.
 
-Both backends get the same inputs and the same key mean (the op computes it once), so they
-quantize to the same int8 values and scales, bit for bit (checked directly); what may differ is
-float32 rounding in the softmax and P.V: accumulation order, and exp2 / log2 / division to an ulp.
-An exp2 an ulp off can also move a P across a rounding boundary of float16 (about one P in 5000)
-or e4m3, which moves its row by up to one step of P times |v|. Measured: 16-bit outputs 99.8% to
-100% identical, the rest one ulp apart except rows with such a P (up to 4 float16 ulps, in 0.3%
-of the rows); float32 outputs within 2 ulps of the largest (2e-5 where P is rounded to float16);
-the lse within 2.4e-6 relative; gradients (exact attention, FlashAttention-2 kernels) within
-6e-7 relative RMSE in float32 (4e-5 for bfloat16 gradients, which round to bfloat16). Also: the
-rounding of P done with integer arithmetic (Mosaic has no float16 or float8 conversions) against
-real casts, packed sequences with empty ones and causal rows that see nothing, GQA and MQA, small
-blocks that skip causal blocks, head sizes declined, nothing to compute, ``jax.grad`` in pure JAX,
-the TPU lowering (and, where TORCH_KERNELS_LIBTPU names a folder holding libtpu, Mosaic's compile
+Both backends get the same inputs and the same smoothing (the op computes the key and query means
+and the key bias once), so they quantize to the same int8 values and scales, bit for bit (checked
+directly); what may differ is float32 rounding in the softmax and P.V: accumulation order, and
+exp2 / log2 / division to an ulp. An exp2 an ulp off can also move a P across a rounding boundary
+of float16 (about one P in 5000) or e4m3, which moves its row by up to one step of P times |v|.
+Measured: 16-bit outputs 99.8% to 100% identical, the rest one ulp apart except rows with such a P
+(up to 4 float16 ulps, in 0.3% of the rows); float32 outputs within 2 ulps of the largest (3e-5
+where P is rounded to float16); the lse within 2.4e-6 relative; gradients (exact attention,
+FlashAttention-2 kernels) within 6e-7 relative RMSE in float32 (4e-5 for bfloat16 gradients, which
+round to bfloat16). Also: the rounding of P done with integer arithmetic (Mosaic has no float16 or
+float8 conversions) against real casts, packed sequences with empty ones and causal rows that see
+nothing, GQA and MQA, Q smoothing on and off (each key's bias from its own sequence's query mean),
+the smoothing pure JAX computes, small blocks that skip causal blocks, head sizes declined,
+nothing to compute, ``jax.grad`` in pure JAX, the TPU lowering (and, where TORCH_KERNELS_LIBTPU names a folder holding libtpu, Mosaic's compile
 for TPU v5e, v6e and v5p), and torchax tensors.
 
 Run with ``-s`` to see the measured differences.
@@ -158,31 +159,38 @@ def test_rounding_emulation_equals_casts():
 
 @pytest.mark.parametrize("granularity", reference.GRANULARITIES)
 def test_quantization_is_the_references_bit_for_bit(granularity):
-    """Packed sequences (an empty one, lengths off the group sizes), GQA, float16 and keys with
-    offsets; the fp8 values of V and their per-channel scales too."""
+    """Packed sequences (an empty one, lengths off the group sizes), GQA, float16, keys and queries
+    with offsets, queries smoothed by their sequence's mean and not; the fp8 values of V and their
+    per-channel scales too."""
     import jax.numpy as jnp
 
     kernels = _kernels()
     q_lens, k_lens = [70, 0, 131, 33], [65, 9, 200, 1]
-    q, k, v = make_qkv(1, 4, 2, sum(q_lens), sum(k_lens), 64, torch.float16, seed=1)
+    q, k, v = make_qkv(1, 4, 2, sum(q_lens), sum(k_lens), 64, torch.float16, seed=1, query_offset=5.0)
     k[0, 0, 3, 5] = float("nan")  # its group: infinite scale, entries 0
     cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0) for lens in (q_lens, k_lens))
-    mean = reference.key_mean(k, cu_k)
+    k_mean, q_mean = reference.sequence_mean(k, cu_k), reference.sequence_mean(q, cu_q)
     arrays = [jnp.asarray(t.numpy()) for t in (q, k, v)]
-    q8, q_scale, k8, k_scale, v_read, v_scale = kernels.quantize_inputs(
-        *arrays, 0.1, granularity, "fp8", cu_seqlens_q=tuple(cu_q.tolist()), cu_seqlens_k=tuple(cu_k.tolist()),
-        k_mean=jnp.asarray(mean.numpy()))
-    as_torch = [torch.from_numpy(np.asarray(x.astype(jnp.float32)).copy()) for x in (q8, q_scale, k8, k_scale, v_read)]
-    for s, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
-        want_q8, want_qs = reference.quantize_queries(q[0, :, q0:q1], 0.1, granularity)
-        want_k8, want_ks = reference.quantize_keys(k[0, :, k0:k1], mean[s], granularity)
-        assert torch.equal(as_torch[0][0, :, q0:q1], want_q8.float()) and torch.equal(as_torch[1][0, :, q0:q1], want_qs)
-        assert torch.equal(as_torch[2][0, :, k0:k1], want_k8.float())
-        assert torch.equal(as_torch[3][0, :, k0:k1].isinf(), want_ks.isinf())
-        assert torch.equal(as_torch[3][0, :, k0:k1], want_ks)
+    means = dict(k_mean=jnp.asarray(k_mean.numpy()), q_mean=jnp.asarray(q_mean.numpy()))
+    for smooth_q in (True, False):
+        q8, q_scale, k8, k_scale, v_read, v_scale = kernels.quantize_inputs(
+            *arrays, 0.1, granularity, "fp8", cu_seqlens_q=tuple(cu_q.tolist()), cu_seqlens_k=tuple(cu_k.tolist()),
+            smooth_q=smooth_q, k_mean=means["k_mean"], q_mean=means["q_mean"] if smooth_q else None)
+        as_torch = [torch.from_numpy(np.asarray(x.astype(jnp.float32)).copy()) for x in (q8, q_scale)]
+        for s, (q0, q1) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+            want_q8, want_qs = reference.quantize_queries(q[0, :, q0:q1], q_mean[s] if smooth_q else None, 0.1,
+                                                          granularity)
+            assert torch.equal(as_torch[0][0, :, q0:q1], want_q8.float()), (s, smooth_q)
+            assert torch.equal(as_torch[1][0, :, q0:q1], want_qs), (s, smooth_q)
+    as_torch = [torch.from_numpy(np.asarray(x.astype(jnp.float32)).copy()) for x in (k8, k_scale, v_read)]
+    for s, (k0, k1) in enumerate(zip(cu_k[:-1], cu_k[1:])):
+        want_k8, want_ks = reference.quantize_keys(k[0, :, k0:k1], k_mean[s], granularity)
+        assert torch.equal(as_torch[0][0, :, k0:k1], want_k8.float())
+        assert torch.equal(as_torch[1][0, :, k0:k1].isinf(), want_ks.isinf())
+        assert torch.equal(as_torch[1][0, :, k0:k1], want_ks)
         if k1 > k0:
             want_v8, want_vs = reference.quantize_values_fp8(v[0, :, k0:k1])
-            assert torch.equal(as_torch[4][0, :, k0:k1], want_v8.float())
+            assert torch.equal(as_torch[2][0, :, k0:k1], want_v8.float())
             assert torch.equal(torch.from_numpy(np.asarray(v_scale[s]).copy()), want_vs)
 
 
@@ -200,20 +208,30 @@ CASES = [
 @pytest.mark.parametrize("pv_dtype, head_size, granularity, causal", CASES,
                          ids=[f"{p}-D{d}-{g}-{'causal' if c else 'full'}" for p, d, g, c in CASES])
 def test_forward_matches_reference(pv_dtype, head_size, granularity, causal):
-    """GQA 6:2, Nq < Nk (bottom-right causal), odd lengths over several query and key blocks."""
+    """GQA 6:2, Nq < Nk (bottom-right causal), odd lengths over several query and key blocks,
+    queries with per-channel offsets smoothed and not (one program: Q smoothing off is a zero
+    mean and bias)."""
     dtype = DTYPES[head_size]
-    q, k, v = make_qkv(2, 6, 2, 150, 301, head_size, dtype, seed=head_size)
-    got, want = both(q, k, v, causal=causal, granularity=granularity, pv_dtype=pv_dtype)
-    assert_tight(f"{dtype} D={head_size} {granularity} {pv_dtype} causal={causal}", got, want, dtype, pv_dtype, v)
+    q, k, v = make_qkv(2, 6, 2, 150, 301, head_size, dtype, seed=head_size, query_offset=4.0)
+    for smooth_q in (True, False):
+        got, want = both(q, k, v, causal=causal, granularity=granularity, pv_dtype=pv_dtype, smooth_q=smooth_q)
+        assert_tight(f"{dtype} D={head_size} {granularity} {pv_dtype} causal={causal} smooth_q={smooth_q}", got, want,
+                     dtype, pv_dtype, v)
 
 
 @pytest.mark.parametrize("pv_dtype", ["fp16", "fp8"])
 def test_packed_sequences_match_reference(pv_dtype):
     """Packed (NHD): an empty query sequence, Nq > Nk (causal rows that see nothing), an empty
-    key sequence, sequences longer than a block; MQA 8:1; a NaN in one key group of one sequence."""
+    key sequence, sequences longer than a block; MQA 8:1; a NaN in one key group of one sequence;
+    queries offset differently in each sequence and head, smoothed by their sequence's mean, whose
+    scores each key gets back through its own sequence's key bias (without it the results differ)."""
+    import jax.numpy as jnp
+
     q_lens, k_lens = [37, 0, 300, 70, 5, 9, 129], [50, 20, 280, 70, 3, 0, 600]
     hq, hkv, d = 8, 1, 64
     q, k, v = make_qkv(1, hq, hkv, sum(q_lens), sum(k_lens), d, torch.bfloat16, seed=2)
+    offsets = 3 * torch.randn(len(q_lens), hq, d, generator=torch.Generator().manual_seed(3))
+    q = (q + offsets.repeat_interleave(torch.tensor(q_lens), dim=0).transpose(0, 1)).to(q.dtype)
     k[0, 0, 100] = float("nan")  # sequence 2's first key group
     cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + k_lens).cumsum(0).to(torch.int32)
@@ -222,12 +240,44 @@ def test_packed_sequences_match_reference(pv_dtype):
                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     assert torch.equal(got[0].isnan(), want[0].isnan()) and want[0].isnan().any()
     assert_tight(f"packed {pv_dtype}", got, want, torch.bfloat16, pv_dtype, v)
+    k_mean, q_mean, bias = reference.smoothing(q, k, d ** -0.5, True, True, cu_q, cu_k)
+    offsets = [tuple(cu.tolist()) for cu in (cu_q, cu_k)]
+    without_bias, _ = _kernels().quantized_attention(
+        *(jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) for t in (q, k, v)), None, True, "per_thread", pv_dtype,
+        True, *offsets, k_mean=jnp.asarray(k_mean.numpy()), q_mean=jnp.asarray(q_mean.numpy()),
+        key_bias=jnp.zeros(bias.shape))
+    without_bias = torch.from_numpy(np.array(without_bias.astype(jnp.float32)))
+    assert ulps(without_bias, want[0].transpose(1, 2).float(), torch.bfloat16) > 100
 
 
 def test_smoothing_off_and_explicit_scale():
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.float16, seed=3, key_offset=0.5)
-    got, want = both(q, k, v, smooth_k=False, sm_scale=0.3, pv_dtype="none")
-    assert_tight("unsmoothed", got, want, torch.float16, "none", v)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.float16, seed=3, key_offset=0.5, query_offset=2.0)
+    for smooth_q in (False, True):
+        got, want = both(q, k, v, smooth_k=False, smooth_q=smooth_q, sm_scale=0.3, pv_dtype="none")
+        assert_tight(f"unsmoothed keys, smooth_q={smooth_q}", got, want, torch.float16, "none", v)
+
+
+def test_jax_smoothing_is_the_references():
+    """Pure JAX computes the smoothing itself (``smoothing``, as the op does in torch): the same
+    means and key bias up to float32 summation order, packed (with empty sequences) and not, GQA;
+    ``q_mean`` and ``key_bias`` go together."""
+    import jax.numpy as jnp
+
+    kernels = _kernels()
+    q, k, _ = make_qkv(2, 6, 2, 50, 70, 64, torch.float32, seed=13, query_offset=5.0)
+    packed = (torch.tensor([0, 20, 20, 50]), torch.tensor([0, 0, 30, 70]))
+    for cu_q, cu_k, batch in ((None, None, 2), (*packed, 1)):
+        for smooth_q, smooth_k in ((True, True), (True, False), (False, True)):
+            want = reference.smoothing(q[:batch], k[:batch], 0.3, smooth_q, smooth_k, cu_q, cu_k)
+            offsets = [None if cu is None else tuple(cu.tolist()) for cu in (cu_q, cu_k)]
+            got = kernels.smoothing(jnp.asarray(q[:batch].numpy()), jnp.asarray(k[:batch].numpy()), 0.3, smooth_q,
+                                    smooth_k, *offsets)
+            for a, b in zip(got, want):
+                assert (a is None) == (b is None)
+                if b is not None:
+                    torch.testing.assert_close(torch.from_numpy(np.array(a)), b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="q_mean, key_bias: expected both"):
+        kernels.quantized_attention(*(jnp.asarray(t.numpy()) for t in (q, k, k)), q_mean=jnp.zeros((2, 6, 64)))
 
 
 def test_other_head_sizes_go_to_the_next_backend():
@@ -445,17 +495,18 @@ def test_small_blocks_skip_causal_blocks():
     import jax.numpy as jnp
 
     kernels = _kernels()
-    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, torch.float32, seed=11)
-    mean = reference.key_mean(k)
-    want = reference.quantized_attention(q, k, v, mean, 0.125, True, "per_warp", "none", None, None)
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, torch.float32, seed=11, query_offset=3.0)
+    smoothing = reference.smoothing(q, k, 0.125, True, True)
+    want = reference.quantized_attention(q, k, v, *smoothing, 0.125, True, "per_warp", "none", None, None)
     gen = torch.Generator().manual_seed(12)
     d_out, d_lse = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:3], generator=gen)
     want_grads = reference.attention_backward(d_out, d_lse, q, k, v, 0.125, True, None, None)
     arrays = [jnp.asarray(t.numpy()) for t in (q, k, v, d_out, d_lse)]
     for block_q in (128, 256):
         config = kernels.Config(block_q=block_q, block_k=128)
-        out, lse = kernels.quantized_attention(*arrays[:3], 0.125, True, "per_warp", "none",
-                                               k_mean=jnp.asarray(mean.numpy()), config=config)
+        out, lse = kernels.quantized_attention(*arrays[:3], 0.125, True, "per_warp", "none", config=config,
+                                               **dict(zip(("k_mean", "q_mean", "key_bias"),
+                                                          (jnp.asarray(t.numpy()) for t in smoothing))))
         got = (torch.from_numpy(np.array(out)), torch.from_numpy(np.array(lse)))
         assert_tight(f"block_q={block_q} block_k=128", got, want, torch.float32, "none", v)
         grads = kernels.attention_backward(arrays[3], arrays[4], *arrays[:3], 0.125, True, config=config)

@@ -1,8 +1,9 @@
 """The Triton backend of quantized_attention (``triton_impl.quantized_attention``) against the
 reference, tightly, under the Triton interpreter (CPU tensors).
 
-Both backends get the same inputs and the same key mean, so the int8 values and scales (and V's
-e4m3 values and scales) are the reference's bit for bit, checked directly, NaN and inf included.
+Both backends get the same inputs and the same smoothing (key and query means, and the key bias
+that returns what Q smoothing took out), so the int8 values and scales (and V's e4m3 values and
+scales) are the reference's bit for bit, checked directly, NaN and inf included.
 The rest differs only in float32 rounding: summation order, and ``exp2`` / ``log2`` to an ulp.
 Measured on these inputs: float16 and bfloat16 outputs within 0.4 ulp of the largest output
 (about 0.1% of them differ at all), float32 outputs within 2 float32 ulps, except that with
@@ -77,6 +78,14 @@ def out_tolerance(dtype: torch.dtype, pv_dtype: str) -> float:
 
 
 qkv = functools.partial(make_qkv, key_offset=2.0)  # keys offset per channel by default
+SMOOTHINGS = [(True, True), (False, False), (True, False), (False, True)]  # (smooth_q, smooth_k)
+
+
+def kernel_args(q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_q=True, smooth_k=True, cu_seqlens_q=None,
+                cu_seqlens_k=None):
+    """The backends' arguments, smoothed as the op smooths (``reference.smoothing``)."""
+    smoothing = reference.smoothing(q, k, sm_scale, smooth_q, smooth_k, cu_seqlens_q, cu_seqlens_k)
+    return (q, k, v, *smoothing, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k)
 
 
 # ---- quantization ----
@@ -92,15 +101,17 @@ def test_quantization_is_the_references_bit_for_bit(kernels, dtype):
         x[1, 2] = 0
         x[0, 1, n // 2, 3] = float("nan")
         x[1, 0, n - 1, 0] = float("inf")
-        mean = reference.key_mean(x)
+        mean = reference.sequence_mean(x)
         folded = torch.tensor(0.1 * reference.LOG2E, dtype=torch.float32).item()
         for granularity in reference.GRANULARITIES:
-            q8, q_scale = kernels.quantize(x, None, folded, "q", granularity)
             k8, k_scale = kernels.quantize(x, mean, 1.0, "k", granularity)
+            for q_mean in (None, mean):  # queries unsmoothed and smoothed
+                q8, q_scale = kernels.quantize(x, q_mean, folded, "q", granularity)
+                for b in range(2):
+                    want = reference.quantize_queries(x[b], None if q_mean is None else q_mean[b], 0.1, granularity)
+                    assert torch.equal(q8[b], want[0]) and torch.equal(q_scale[b], want[1]), (n, granularity)
             for b in range(2):
-                want_q8, want_q_scale = reference.quantize_queries(x[b], 0.1, granularity)
                 want_k8, want_k_scale = reference.quantize_keys(x[b], mean[b], granularity)
-                assert torch.equal(q8[b], want_q8) and torch.equal(q_scale[b], want_q_scale), (n, granularity)
                 assert torch.equal(k8[b], want_k8) and torch.equal(k_scale[b], want_k_scale), (n, granularity)
         v8, v_scale = kernels.quantize_values_fp8(x)
         for b in range(2):
@@ -110,18 +121,21 @@ def test_quantization_is_the_references_bit_for_bit(kernels, dtype):
 
 
 def test_quantization_of_packed_sequences(kernels):
-    """Groups start at each sequence's first token; empty sequences; V's scales per sequence."""
+    """Groups start at each sequence's first token, each sequence smoothed by its own mean (queries
+    too); empty sequences; V's scales per sequence."""
     lengths = [37, 0, 130, 70, 5, 9]
     cu = torch.tensor([0] + lengths).cumsum(0)
     x = (torch.randn(1, 2, sum(lengths), 64, generator=torch.Generator().manual_seed(1)) + 3).half()
-    mean = reference.key_mean(x, cu)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    x += (sequence[:, None] * torch.linspace(-1, 1, 64)).half()  # means that differ between the sequences
+    mean = reference.sequence_mean(x, cu)
     v8, v_scale = kernels.quantize_values_fp8(x, cu)
     for granularity in reference.GRANULARITIES:
-        q8, q_scale = kernels.quantize(x, None, 0.25, "q", granularity, cu)
+        q8, q_scale = kernels.quantize(x, mean, 0.25, "q", granularity, cu)
         k8, k_scale = kernels.quantize(x, mean, 1.0, "k", granularity, cu)
         for s in range(len(lengths)):
             rows = slice(int(cu[s]), int(cu[s + 1]))
-            want = reference.quantize_int8(x[0, :, rows].float() * 0.25,
+            want = reference.quantize_int8((x[0, :, rows].float() - mean[s][:, None]) * 0.25,
                                            *reference.row_groups(lengths[s], "q", granularity))
             assert torch.equal(q8[0, :, rows], want[0]) and torch.equal(q_scale[0, :, rows], want[1])
             want = reference.quantize_keys(x[0, :, rows], mean[s], granularity)
@@ -152,19 +166,21 @@ def test_e4m3_rounding_at_every_boundary(kernels):
 @pytest.mark.parametrize("pv_dtype", reference.PV_DTYPES)
 @pytest.mark.parametrize("head_size, dtype", CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in CASES])
 def test_forward_matches_reference(kernels, head_size, dtype, pv_dtype):
-    """GQA 4:2, Nq != Nk, full and bottom-right causal, smoothed and not, every granularity."""
-    q, k, v = qkv(1, 4, 2, 131, 197, head_size, dtype, seed=head_size)
+    """GQA 4:2, Nq != Nk, full and bottom-right causal, queries with per-channel offsets, every
+    granularity and every combination of Q and K smoothing."""
+    q, k, v = qkv(1, 4, 2, 131, 197, head_size, dtype, seed=head_size, query_offset=4.0)
     turn = reference.PV_DTYPES.index(pv_dtype)  # every granularity with every pv_dtype over the head sizes
     granularities = reference.GRANULARITIES[turn:] + reference.GRANULARITIES[:turn]
-    for causal, granularity, smooth in ((False, granularities[0], True), (True, granularities[1], False)):
-        mean = reference.key_mean(k) if smooth else None
-        args = (q, k, v, mean, head_size ** -0.5, causal, granularity, pv_dtype, None, None)
+    smoothing = SMOOTHINGS[1 + (turn + CASES.index((head_size, dtype))) % 3]  # the other three over the cases
+    for causal, granularity, (smooth_q, smooth_k) in ((False, granularities[0], SMOOTHINGS[0]),
+                                                      (True, granularities[1], smoothing)):
+        args = kernel_args(q, k, v, head_size ** -0.5, causal, granularity, pv_dtype, smooth_q, smooth_k)
         out, lse = kernels.quantized_attention(*args)
         want, want_lse = reference.quantized_attention(*args)
         error = ulps(out, want, dtype)
         lse_diff = lse_error(lse, want_lse)
-        print(f"\n{dtype} D={head_size} {pv_dtype} causal={causal} {granularity}: out {error:.2f} ulp, "
-              f"lse {lse_diff:.1e}", end="")
+        print(f"\n{dtype} D={head_size} {pv_dtype} causal={causal} {granularity} smooth_q={smooth_q} "
+              f"smooth_k={smooth_k}: out {error:.2f} ulp, lse {lse_diff:.1e}", end="")
         assert out.dtype == dtype and error <= out_tolerance(dtype, pv_dtype), (causal, granularity, error)
         assert lse_diff < 1e-5
 
@@ -173,11 +189,10 @@ def test_forward_with_a_gpus_tiles(kernels):
     """The launch a GPU makes (128 query rows a program, several tiles per sequence, each walking
     only the key tiles its last row sees; 32 or 64 rows for float32 P.V) equals the reference too."""
     for (head_size, dtype), pv_dtype in zip(CASES, ("fp8", "fp16", "none")):
-        q, k, v = qkv(1, 4, 1, 300, 280, head_size, dtype, seed=3)
-        mean = reference.key_mean(k)
+        q, k, v = qkv(1, 4, 1, 300, 280, head_size, dtype, seed=3, query_offset=4.0)
         config = kernels.default_config("forward", head_size, dtype, pv_dtype)
         for causal in (False, True):
-            args = (q, k, v, mean, 0.1, causal, "per_thread", pv_dtype, None, None)
+            args = kernel_args(q, k, v, 0.1, causal, "per_thread", pv_dtype)
             out, lse = kernels.quantized_attention(*args, config=config)
             want, want_lse = reference.quantized_attention(*args)
             assert ulps(out, want, dtype) <= out_tolerance(dtype, pv_dtype), (dtype, causal)
@@ -188,30 +203,34 @@ def test_forward_with_a_gpus_tiles(kernels):
 
 def test_packed_sequences_match_reference(kernels):
     """Packed sequences with an empty query sequence, Nq > Nk (causal rows that see no key: 0 and
-    lse -inf), an empty key sequence, at the interpreter's blocks and at a GPU's."""
+    lse -inf), an empty key sequence, at the interpreter's blocks and at a GPU's; GQA 4:2, queries
+    offset differently in each sequence, smoothed by their own sequence's mean, whose scores every
+    key gets back through its sequence's key bias (dropping the bias changes the results)."""
     q_lens, k_lens = [37, 0, 130, 70, 5, 9], [50, 20, 130, 70, 3, 0]
     cu_q = torch.tensor([0] + q_lens).cumsum(0)
     cu_k = torch.tensor([0] + k_lens).cumsum(0)
     q, _, _ = qkv(1, 4, 2, sum(q_lens), 1, 64, torch.float16, seed=4)
     _, k, v = qkv(1, 4, 2, 1, sum(k_lens), 64, torch.float16, seed=5, key_offset=5.0)
-    mean = reference.key_mean(k, cu_k)
+    offsets = 3 * torch.randn(len(q_lens), 4, 64, generator=torch.Generator().manual_seed(6))  # per sequence, head
+    q = (q + offsets.repeat_interleave(torch.tensor(q_lens), dim=0).transpose(0, 1)).half()
     for pv_dtype, config in (("fp16", None), ("fp8", kernels.default_config("forward", 64))):
-        args = (q, k, v, mean, 0.125, True, "per_thread", pv_dtype, cu_q, cu_k)
+        args = kernel_args(q, k, v, 0.125, True, "per_thread", pv_dtype, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         out, lse = kernels.quantized_attention(*args, config=config)
         want, want_lse = reference.quantized_attention(*args)
         assert ulps(out, want, torch.float16) <= 1.0
         assert (lse == -math.inf).any() and lse_error(lse, want_lse) < 1e-5
         assert torch.all(out[0, :, int(cu_q[5]):] == 0)  # the sequence with no keys
+    without_bias, _ = kernels.quantized_attention(*args[:5], None, *args[6:])
+    assert ulps(without_bias, want, torch.float16) > 100
 
 
 def test_nothing_to_attend(kernels):
     """No keys at all: zeros and lse -inf; no queries: empty results."""
     q, k, v = qkv(2, 2, 1, 20, 0, 64, torch.float16, seed=6)
-    out, lse = kernels.quantized_attention(q, k, v, reference.key_mean(k), 0.125, False, "per_block", "fp16",
-                                           None, None)
+    out, lse = kernels.quantized_attention(*kernel_args(q, k, v, 0.125, False, "per_block", "fp16"))
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
     q, k, v = qkv(2, 2, 1, 0, 30, 64, torch.float16, seed=6)
-    out, lse = kernels.quantized_attention(q, k, v, None, 0.125, True, "per_block", "fp8", None, None)
+    out, lse = kernels.quantized_attention(*kernel_args(q, k, v, 0.125, True, "per_block", "fp8"))
     assert out.shape == q.shape and lse.shape == (2, 2, 0)
 
 
@@ -256,7 +275,7 @@ def test_other_head_sizes_and_fp8_without_hardware_are_declined(kernels):
     """Head size 32 goes to the next backend; fp8 P.V is declined on a device without e4m3 MMA."""
     q, k, v = qkv(1, 2, 1, 10, 10, 32, torch.float16, seed=12)
     with pytest.raises(NotImplementedError, match="head size 32"):
-        kernels.quantized_attention(q, k, v, None, 0.1, False, "per_block", "fp16", None, None)
+        kernels.quantized_attention(q, k, v, None, None, None, 0.1, False, "per_block", "fp16", None, None)
     with pytest.raises(NotImplementedError, match="head size 32"):
         kernels.quantized_attention_backward(q, None, q, k, v, 0.1, False, None, None)
     torch_kernels.quantized_attention(q, k, v, implementation=["triton", "reference"])
@@ -264,5 +283,5 @@ def test_other_head_sizes_and_fp8_without_hardware_are_declined(kernels):
     with pytest.raises(RuntimeError, match="head size 32"):
         torch_kernels.quantized_attention(q, k, v, implementation="triton")
     with pytest.raises(NotImplementedError, match="fp8"):
-        kernels.quantized_attention(*(torch.empty(1, 2, 10, 64, device="meta") for _ in range(3)), None, 0.1, False,
-                                    "per_block", "fp8", None, None)
+        kernels.quantized_attention(*(torch.empty(1, 2, 10, 64, device="meta") for _ in range(3)), None, None, None,
+                                    0.1, False, "per_block", "fp8", None, None)

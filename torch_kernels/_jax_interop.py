@@ -43,6 +43,17 @@ def pallas_mahalanobis_min(x, center, whitener, class_proj, class_sq):
     return to_torch(score), to_torch(nearest).to(torch.int64)
 
 
+def pallas_edm_score_levels(x, *tensors_and_scoped):
+    *tensors, scoped = tensors_and_scoped
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"pallas: takes torchax tensors or CPU tensors, got {x.device.type}")
+    from jax_impl import ood
+
+    if x.dtype == torch.float64:
+        raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
+    return to_torch(ood.edm_score_levels(*map(to_jax, (x, *tensors)), scoped=scoped))
+
+
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, *_FLOAT8)
 
 
@@ -57,9 +68,14 @@ def _check_cache_dtype(cache: torch.Tensor) -> None:
         raise NotImplementedError(f"pallas: caches of dtype {cache.dtype} are not supported")
 
 
-def _store(cache: torch.Tensor, new) -> None:
-    """Write the kernel's updated cache back into ``cache`` byte for byte (NaN payloads included)."""
-    cache.view(torch.uint8).copy_(to_torch(new).view(torch.uint8))
+def _store_slots(cache: torch.Tensor, new, slot_mapping: torch.Tensor) -> None:
+    """Copy the slots ``slot_mapping`` wrote from the kernel's updated cache ``new`` back into
+    ``cache`` in place, byte for byte (NaN payloads included). JAX arrays have no strides, so a
+    strided cache (any view whose last dimension is contiguous) crossed as a contiguous copy; only
+    its written slots come back, so nothing else in its storage is written."""
+    slots = slot_mapping[slot_mapping >= 0]
+    blocks, offsets = slots // cache.shape[1], slots % cache.shape[1]
+    cache.view(torch.uint8)[blocks, offsets] = to_torch(new).view(torch.uint8)[blocks, offsets]
 
 
 def _slots(slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -73,8 +89,8 @@ def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k
 
     new_k, new_v = paged_attention.reshape_and_cache(
         *map(to_jax, (key, value, key_cache, value_cache, _slots(slot_mapping), k_scale, v_scale)))
-    _store(key_cache, new_k)
-    _store(value_cache, new_v)
+    _store_slots(key_cache, new_k, slot_mapping)
+    _store_slots(value_cache, new_v, slot_mapping)
 
 
 def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
@@ -88,8 +104,8 @@ def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_l
         *map(to_jax, (query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), sm_scale,
         sliding_window, soft_cap, to_jax(k_scale), to_jax(v_scale), *(new or (None, None, None)))
     if new is not None:
-        _store(key_cache, new_k)
-        _store(value_cache, new_v)
+        _store_slots(key_cache, new_k, slot_mapping)
+        _store_slots(value_cache, new_v, slot_mapping)
     return to_torch(out)
 
 
@@ -218,11 +234,13 @@ def _quantized_attention_args(q, cu_seqlens_q, cu_seqlens_k):
     return quantized_attention, offsets
 
 
-def pallas_quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+def pallas_quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype,
+                               cu_seqlens_q, cu_seqlens_k):
     kernels, (cu_q, cu_k) = _quantized_attention_args(q, cu_seqlens_q, cu_seqlens_k)
+    k_mean, q_mean, key_bias = (None if t is None else to_jax(t) for t in (k_mean, q_mean, key_bias))
     out, lse = kernels.quantized_attention(*map(to_jax, (q, k, v)), sm_scale, causal, granularity, pv_dtype,
-                                           k_mean is not None, cu_q, cu_k,
-                                           k_mean=None if k_mean is None else to_jax(k_mean))
+                                           k_mean is not None, cu_q, cu_k, smooth_q=q_mean is not None,
+                                           k_mean=k_mean, q_mean=q_mean, key_bias=key_bias)
     return to_torch(out), to_torch(lse)
 
 

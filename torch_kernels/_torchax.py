@@ -287,8 +287,8 @@ def _quantized_attention_implementations():
 
     The forward is the kernels' ``jax.custom_vjp``, so gradients flow through it (the exact
     attention backward kernels). Packed offsets decide the kernels' block layout: they cross as
-    host ints. The key mean is computed in JAX here (the op's device path computes it in torch):
-    summation order may move an int8 key at a rounding tie by one.
+    host ints. The smoothing (means and key bias) is computed in JAX here (the op's device path
+    computes it in torch): summation order may move an int8 key or query at a rounding tie by one.
     """
     from jax_impl import quantized_attention as kernels
     from torchax.interop import j2t_autograd, jax_view, torch_view
@@ -302,13 +302,14 @@ def _quantized_attention_implementations():
         return [None if cu is None else tuple(cu.tolist()) for cu in (cu_q, cu_k)]
 
     def quantized_attention(*args, **kwargs):
-        q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, choice = _schema_arguments(
-            op.quantized_attention_op, args, kwargs)
+        q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, choice, smooth_q = \
+            _schema_arguments(op.quantized_attention_op, args, kwargs)
         op.check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
-                        smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                        smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
         op.check_lengths(cu_q, cu_k, q.shape[2], k.shape[2])
         run = _first_backend(choice, forwards)
-        return run(q, k, v, float(sm_scale), causal, granularity, pv_dtype, smooth_k, *offsets(cu_q, cu_k))
+        return run(q, k, v, float(sm_scale), causal, granularity, pv_dtype, smooth_k, *offsets(cu_q, cu_k),
+                   smooth_q=smooth_q)
 
     def quantized_attention_backward(*args, **kwargs):
         do, dlse, q, k, v, sm_scale, causal, cu_q, cu_k, choice = _schema_arguments(
@@ -322,6 +323,31 @@ def _quantized_attention_implementations():
     return {op.OP: quantized_attention, op.BACKWARD_OP: quantized_attention_backward}
 
 
+def _edm_score_implementation():
+    """The torchax implementation of edm_score, with gradients: the Pallas kernel's
+    ``jax.custom_vjp`` or the jnp reference, the level coefficients made in JAX from the grid."""
+    from jax_impl import ood as kernels
+    from torchax.interop import j2t_autograd, torch_view
+
+    from .ops import ood as op
+
+    forms = {"pallas": lambda *arrays, scoped: kernels.edm_score(*arrays, scoped),
+             "reference": kernels.edm_score_reference}
+
+    def edm_score(*args, **kwargs):
+        x, *params, sigmas, sigma_data, statistic, choice = _schema_arguments(op.edm_score_op, args, kwargs)
+        op.check_edm_inputs(x, params, sigmas, sigma_data, statistic)
+        form = _first_backend(choice, forms)
+        coefficients = kernels.edm_level_coefficients(tuple(sigmas), float(sigma_data))
+
+        def score(x, mean, inv_scale, *rest):
+            return form(x, mean, inv_scale, coefficients, *rest, scoped=statistic == "scoped")
+
+        return j2t_autograd(torch_view(score))(x, *params)
+
+    return edm_score
+
+
 def register(env) -> None:
     """Register the JAX implementations of every op with torchax environment ``env``."""
     from jax_impl import ood
@@ -333,6 +359,7 @@ def register(env) -> None:
         _jax_implementations(ood_op.check_inputs, pallas=ood.mahalanobis_score,
                              reference=ood.mahalanobis_score_reference),
     )
+    env.override_op_definition(torch.ops.torch_kernels.edm_score.default, _edm_score_implementation())
     write, attention = _paged_attention_implementations()
     env.override_op_definition(torch.ops.torch_kernels.reshape_and_cache.default, write)
     env.override_op_definition(torch.ops.torch_kernels.ragged_paged_attention.default, attention)

@@ -5,7 +5,7 @@ Forward, three launches (four with ``pv_dtype="fp8"``):
 1. ``quantize_kernel`` for Q and for K: one program per tile of rows of one sequence and head
    (128 query rows, 64 key rows, starting at the sequence's first token, so that every
    quantization group of the reference lies inside one tile; several tiles under the
-   interpreter), K smoothed by the op's key mean,
+   interpreter), Q and K smoothed by the op's query and key means (where given),
    ``sm_scale * log2(e)`` folded into Q. It writes the int8 values and one float32 scale per row
    (the group's scale repeated), so the attention kernel needs no notion of groups.
 2. ``value_fp8_kernel`` (``"fp8"`` only): V's per-channel scales over each sequence, then V in
@@ -15,12 +15,15 @@ Forward, three launches (four with ``pv_dtype="fp8"``):
    (bottom-right causal: none past the tile's last row's diagonal) ``BLOCK_N = 64`` at a time, the
    reference's tile, so that the online softmax rescales at the same points and P is rounded at
    the same magnitudes: ``s_int = q8 @ k8^T`` by an int8 ``tl.dot`` (int32, exact), ``s = (s_int *
-   q_scale) * k_scale`` in float32, ``exp2`` online softmax, P.V per ``pv_dtype`` accumulated in
+   q_scale) * k_scale + key_bias`` in float32 (the bias, Q smoothing's scores, loaded only where
+   given: a constexpr), ``exp2`` online softmax, P.V per ``pv_dtype`` accumulated in
    float32, then ``out = acc / l`` and ``lse = ln 2 (m + log2 l) + sm_scale q . k_mean``.
 
 The int8 values and scales equal the reference's bit for bit (IEEE division by ``tl.div_rn``,
 round half to even by adding and subtracting ``1.5 * 2**23``, NaN flagged by hand because max
-reductions drop it); scores too. The rest differs from the reference only in float32 summation
+reductions drop it); scores too under the interpreter (on a GPU, Triton's default FP fusion
+makes the last scale product and the bias add one FMA, as the sm_90 PTX shows: one rounding
+fewer, half an ulp of a score). The rest differs from the reference only in float32 summation
 order and ``exp2`` / ``log2`` rounding.
 
 Backward, FlashAttention-2 style, the gradient of exact attention at the same inputs (a
@@ -281,11 +284,11 @@ def _pv(p, v, P_DT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def attention_kernel(
-    q8_ptr, q_scale_ptr, k8_ptr, k_scale_ptr, v_ptr, v_scale_ptr, mean_ptr, q_ptr, out_ptr, lse_ptr,
+    q8_ptr, q_scale_ptr, k8_ptr, k_scale_ptr, v_ptr, v_scale_ptr, mean_ptr, bias_ptr, q_ptr, out_ptr, lse_ptr,
     cu_q_ptr, cu_k_ptr, num_seqs, nq_rows, nk_rows, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, P_DT: tl.constexpr, HAS_MEAN: tl.constexpr,
-    VARLEN: tl.constexpr, EMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Query tile ``program_id(0)`` of query head ``program_id(1)``: the module docstring, step 3."""
     h = tl.program_id(1)
@@ -303,6 +306,7 @@ def attention_kernel(
         q8 = tl.load(q8_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0)
         q_scale = tl.load(q_scale_ptr + q_rows, mask=row_ok, other=0.0)
         k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
+        bias_head = (batch * HQ + h).to(tl.int64) * nk_rows - k_base + k_begin  # key_bias is [B, HQ, Nk]
         diagonal = rows - q_begin + (nk - nq)  # the last key each row sees (bottom-right causal)
         stop = nk
         if CAUSAL:
@@ -317,6 +321,8 @@ def attention_kernel(
                          mask=col_ok[:, None] & d_ok[None, :], other=0)
             k_scale = tl.load(k_scale_ptr + k_head + cols, mask=col_ok, other=0.0)
             scores = (tl.dot(q8, tl.trans(k8)).to(tl.float32) * q_scale[:, None]) * k_scale[None, :]
+            if HAS_BIAS:  # the scores Q smoothing took out of the queries
+                scores += tl.load(bias_ptr + bias_head + cols, mask=col_ok, other=0.0)[None, :]
             seen = col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= diagonal[:, None])
@@ -540,9 +546,9 @@ def _offsets(cu: torch.Tensor | None, batch: int, n: int, device) -> tuple[torch
 def quantize(x: torch.Tensor, mean: torch.Tensor | None, multiplier: float, role: str, granularity: str,
              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(int8 [B, H, N, D], float32 per-row scale [B, H, N])`` of queries (``role="q"``,
-    ``multiplier`` the folded ``sm_scale * log2(e)`` as a float32 value) or keys (``"k"``, smoothed
-    by ``mean [S, H, D]`` if given), the reference's ``quantize_queries`` / ``quantize_keys`` per
-    sequence."""
+    ``multiplier`` the folded ``sm_scale * log2(e)`` as a float32 value) or keys (``"k"``,
+    ``multiplier`` 1), each smoothed by ``mean [S, H, D]`` if given: the reference's
+    ``quantize_queries`` / ``quantize_keys`` per sequence."""
     batch, heads, n, d = x.shape
     cu, num_seqs, varlen = _offsets(cu_seqlens, batch, n, x.device)
     tile = BLOCK_Q if role == "q" else BLOCK_K
@@ -583,8 +589,8 @@ def _p_dtype(pv_dtype: str, dtype: torch.dtype):
     return _P_DTYPES.get(pv_dtype) or _TL_DTYPES[dtype]
 
 
-def quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k,
-                        config: Config | None = None):
+def quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q,
+                        cu_seqlens_k, config: Config | None = None):
     """The forward on CUDA/XPU tensors, or interpreted on CPU tensors (module docstring).
 
     Contract: ``torch_kernels.reference.quantized_attention.quantized_attention``. Declines head
@@ -604,7 +610,7 @@ def quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype
     cu_q, num_seqs, varlen = _offsets(cu_seqlens_q, batch, nq, q.device)
     cu_k, _, _ = _offsets(cu_seqlens_k, batch, nk, q.device)
     folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()  # the reference's float32 constant
-    q8, q_scale = quantize(q, None, folded, "q", granularity, cu_seqlens_q)
+    q8, q_scale = quantize(q, q_mean, folded, "q", granularity, cu_seqlens_q)
     k8, k_scale = quantize(k, k_mean, 1.0, "k", granularity, cu_seqlens_k)
     if pv_dtype == "fp8":
         v_read, v_scale = quantize_values_fp8(v, cu_seqlens_k)
@@ -614,10 +620,10 @@ def quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype
     out = torch.empty(q.shape, dtype=_result_dtype(q.dtype, interpreted), device=q.device)
     kernel = for_device(attention_kernel, q.device)
     kernel[(batch * nq // config.block_m + num_seqs, hq)](
-        q8, q_scale, k8, k_scale, v_read, v_scale, lse if k_mean is None else k_mean, q, out, lse,
-        cu_q, cu_k, num_seqs, nq, nk, sm_scale,
+        q8, q_scale, k8, k_scale, v_read, v_scale, lse if k_mean is None else k_mean,
+        lse if key_bias is None else key_bias, q, out, lse, cu_q, cu_k, num_seqs, nq, nk, sm_scale,
         HQ=hq, HKV=hkv, D=d, DP=triton.next_power_of_2(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=causal, P_DT=p_dtype, HAS_MEAN=k_mean is not None, VARLEN=varlen,
+        CAUSAL=causal, P_DT=p_dtype, HAS_MEAN=k_mean is not None, HAS_BIAS=key_bias is not None, VARLEN=varlen,
         EMULATE=interpreted, num_warps=config.num_warps, num_stages=config.num_stages)
     return out.to(q.dtype), lse
 
@@ -668,8 +674,9 @@ def quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, 
 
 def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_heads: int = 8):
     """``(label, kernel, signature, constexprs, num_warps, num_stages, dots)`` for every kernel a
-    forward (each ``pv_dtype``, the per_thread groups, causal, varlen) and the backward launch on
-    ``dtype`` inputs of ``head_size``, at their default configs on a GPU."""
+    forward (each ``pv_dtype``, the per_thread groups, causal, varlen, Q and K smoothed, the key
+    bias) and the backward launch on ``dtype`` inputs of ``head_size``, at their default configs on
+    a GPU."""
     x = "*" + _TRITON_TYPES[dtype]
     dp = triton.next_power_of_2(head_size)
     seqs = dict(cu_ptr="*i64", num_seqs="i32", n_rows="i32")
@@ -677,7 +684,7 @@ def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_head
     for role, granularity in (("q", "per_thread"), ("k", "per_thread"), ("q", "per_warp")):
         block = BLOCK_Q if role == "q" else BLOCK_K
         constexprs = dict(H=heads if role == "q" else kv_heads, D=head_size, DP=dp, BLOCK=block, TILE=block,
-                          GROUPING=GROUPINGS[role, granularity], HAS_MEAN=role == "k", VARLEN=True)
+                          GROUPING=GROUPINGS[role, granularity], HAS_MEAN=True, VARLEN=True)
         signature = dict(x_ptr=x, mean_ptr="*fp32", x8_ptr="*i8", scale_ptr="*fp32", **seqs, multiplier="fp32",
                          **dict.fromkeys(constexprs, "constexpr"))
         targets.append((f"quantize {role} {granularity}", quantize_kernel, signature, constexprs,
@@ -690,11 +697,12 @@ def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_head
         config = default_config("forward", head_size, dtype, pv_dtype)
         p_dtype = _p_dtype(pv_dtype, dtype)
         constexprs = dict(HQ=heads, HKV=kv_heads, D=head_size, DP=dp, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                          CAUSAL=True, P_DT=p_dtype, HAS_MEAN=True, VARLEN=True, EMULATE=False)
+                          CAUSAL=True, P_DT=p_dtype, HAS_MEAN=True, HAS_BIAS=True, VARLEN=True, EMULATE=False)
         signature = dict(q8_ptr="*i8", q_scale_ptr="*fp32", k8_ptr="*i8", k_scale_ptr="*fp32",
                          v_ptr="*fp8e4nv" if pv_dtype == "fp8" else x, v_scale_ptr="*fp32", mean_ptr="*fp32",
-                         q_ptr=x, out_ptr=x, lse_ptr="*fp32", cu_q_ptr="*i64", cu_k_ptr="*i64", num_seqs="i32",
-                         nq_rows="i32", nk_rows="i32", sm_scale="fp32", **dict.fromkeys(constexprs, "constexpr"))
+                         bias_ptr="*fp32", q_ptr=x, out_ptr=x, lse_ptr="*fp32", cu_q_ptr="*i64", cu_k_ptr="*i64",
+                         num_seqs="i32", nq_rows="i32", nk_rows="i32", sm_scale="fp32",
+                         **dict.fromkeys(constexprs, "constexpr"))
         targets.append((f"attention pv {pv_dtype}", attention_kernel, signature, constexprs, config.num_warps,
                         config.num_stages, True))
     common = dict(HQ=heads, HKV=kv_heads, D=head_size, DP=dp, CAUSAL=True, VARLEN=True,

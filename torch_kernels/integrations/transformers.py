@@ -85,10 +85,11 @@ def quantized_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
 
     Causal attention is aligned bottom-right, so prefill, chunked prefill over a cache and decoding
     all take the quantized path. A padding mask, dropout, a sliding window or a soft cap go to
-    transformers' SDPA path instead (the op has none of them). ``granularity``, ``pv_dtype`` and
-    ``smooth_k`` pass through the model's call as attention kwargs, e.g.
+    transformers' SDPA path instead (the op has none of them). ``granularity``, ``pv_dtype``,
+    ``smooth_k`` and ``smooth_q`` pass through the model's call as attention kwargs, e.g.
     ``model(input_ids, granularity="per_thread", pv_dtype="fp8")``."""
-    options = {name: kwargs.pop(name) for name in ("granularity", "pv_dtype", "smooth_k") if name in kwargs}
+    options = {name: kwargs.pop(name) for name in ("granularity", "pv_dtype", "smooth_k", "smooth_q")
+               if name in kwargs}
     plain = (attention_mask is None and (dropout == 0.0 or not module.training) and not kwargs.get("sliding_window")
              and not kwargs.get("softcap") and query.shape[-1] == key.shape[-1] == value.shape[-1])
     if not plain:

@@ -13,10 +13,12 @@ Kernels: the reference and those registered below, among them Triton's
 FlashAttention-2 backward kernels; head sizes 64, 96 and 128, other calls declined to the next
 backend) and Pallas's (``jax_impl.quantized_attention``: INT8 dots on the MXU with int32
 accumulation, FlashAttention-2 backward kernels, under ``jax.custom_vjp``; CPU tensors run it in
-TPU interpret mode, torchax tensors on the TPU; the same head sizes). A backend is registered only
-once its module exists: a lazy ``"module:function"`` for a missing module would raise
-``ModuleNotFoundError`` (not ``NotImplementedError``) wherever that backend is available, instead
-of falling back.
+TPU interpret mode, torchax tensors on the TPU; the same head sizes) and SYCL's
+(``oneapi_impl.quantized_attention``: OpenCL C kernels with int32-exact int8 dot products, fp8
+emulated bit for bit, FlashAttention-2-style backward kernels; CPU tensors on the ``opencl:cpu``
+SYCL device; head sizes 1 to 256). A backend is registered only once its module exists: a lazy
+``"module:function"`` for a missing module would raise ``ModuleNotFoundError`` (not
+``NotImplementedError``) wherever that backend is available, instead of falling back.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ BACKWARD_OP = "quantized_attention_backward"
 backends.register(OP, "reference", reference.quantized_attention)
 backends.register(OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention")
 backends.register(OP, "triton", "triton_impl.quantized_attention:quantized_attention")
+backends.register(OP, "sycl", "oneapi_impl.quantized_attention:quantized_attention")
 backends.register(BACKWARD_OP, "reference", reference.attention_backward)
 backends.register(BACKWARD_OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention_backward")
 backends.register(BACKWARD_OP, "triton", "triton_impl.quantized_attention:quantized_attention_backward")
+backends.register(BACKWARD_OP, "sycl", "oneapi_impl.quantized_attention:quantized_attention_backward")
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -60,7 +64,7 @@ def _is_real(x) -> bool:
 # ---- checks ----
 
 def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, cu_seqlens_q, cu_seqlens_k,
-                 layout="HND", names=("q", "k", "v")) -> None:
+                 smooth_q=True, layout="HND", names=("q", "k", "v")) -> None:
     """Types, shapes, dtypes, devices and options (no data read); errors name the argument."""
     qn, kn, vn = names
     if layout not in LAYOUTS:
@@ -85,7 +89,7 @@ def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, 
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"{kn}: expected a number of heads dividing {qn}'s {heads} (GQA/MQA) in dimension {h_dim}, "
                          f"got {kv_heads}")
-    for name, flag in (("causal", causal), ("smooth_k", smooth_k)):
+    for name, flag in (("causal", causal), ("smooth_k", smooth_k), ("smooth_q", smooth_q)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
     if not _is_real(sm_scale):
@@ -136,7 +140,7 @@ def _index(cu):
 
 # ---- forward ----
 
-_DEFAULTS = (False, "per_block", "fp16", True, None, None, None)  # the schema's, from causal on
+_DEFAULTS = (False, "per_block", "fp16", True, None, None, None, True)  # the schema's, from causal on
 
 
 def _forward_args(args):
@@ -145,21 +149,23 @@ def _forward_args(args):
 
 
 def _forward_kernel(*args):
-    q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, implementation = _forward_args(args)
+    q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, implementation, smooth_q = \
+        _forward_args(args)
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
-                 smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                 smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
     check_lengths(cu_q, cu_k, q.shape[2], k.shape[2])
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     cu_q, cu_k = _index(cu_q), _index(cu_k)
-    k_mean = reference.key_mean(k, cu_k) if smooth_k else None  # once here, so every backend smooths alike
-    return backends.dispatch(OP, _device_type(q), implementation, q, k, v, k_mean, float(sm_scale), causal,
-                             granularity, pv_dtype, cu_q, cu_k)
+    # once here, so every backend smooths with the same numbers
+    k_mean, q_mean, key_bias = reference.smoothing(q, k, float(sm_scale), smooth_q, smooth_k, cu_q, cu_k)
+    return backends.dispatch(OP, _device_type(q), implementation, q, k, v, k_mean, q_mean, key_bias, float(sm_scale),
+                             causal, granularity, pv_dtype, cu_q, cu_k)
 
 
 def _forward_fake(*args):
-    q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, _ = _forward_args(args)
+    q, k, v, sm_scale, causal, granularity, pv_dtype, smooth_k, cu_q, cu_k, _, smooth_q = _forward_args(args)
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
-                 smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                 smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:3], dtype=torch.float32))
 
@@ -171,7 +177,7 @@ def _backward_order(t: torch.Tensor, implementation) -> str | None:
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, sm_scale, causal, _, _, _, cu_q, cu_k, implementation = _forward_args(tuple(inputs))
+    q, k, v, sm_scale, causal, _, _, _, cu_q, cu_k, implementation, _ = _forward_args(tuple(inputs))
     ctx.save_for_backward(q, k, v, cu_q, cu_k)
     ctx.sm_scale, ctx.causal = sm_scale, causal
     ctx.implementation = _backward_order(q, implementation)
@@ -181,7 +187,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = quantized_attention_backward_op(grad_out, grad_lse, q, k, v, ctx.sm_scale, ctx.causal, cu_q, cu_k,
                                                  ctx.implementation)
-    return (dq, dk, dv) + (None,) * 8
+    return (dq, dk, dv) + (None,) * 9
 
 
 # ---- backward ----
@@ -205,7 +211,7 @@ quantized_attention_backward_op = define(
 quantized_attention_op = define(
     "quantized_attention(Tensor q, Tensor k, Tensor v, float sm_scale, bool causal=False, "
     "str granularity=\"per_block\", str pv_dtype=\"fp16\", bool smooth_k=True, Tensor? cu_seqlens_q=None, "
-    "Tensor? cu_seqlens_k=None, str? implementation=None) -> (Tensor, Tensor)",
+    "Tensor? cu_seqlens_k=None, str? implementation=None, bool smooth_q=True) -> (Tensor, Tensor)",
     _forward_kernel, _forward_fake, setup_context=_setup, backward=_backward)
 
 
@@ -267,6 +273,7 @@ def quantized_attention(
     granularity: str = "per_block",
     pv_dtype: str = "fp16",
     smooth_k: bool = True,
+    smooth_q: bool = True,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     return_lse: bool = False,
@@ -274,9 +281,9 @@ def quantized_attention(
 ):
     """Softmax attention with INT8 ``Q K^T`` and a low-precision ``P V`` (SageAttention's recipe).
 
-    Queries and keys are quantized to INT8 with one float32 scale per group of rows, ``K`` first
-    smoothed (its per-channel mean over each sequence's tokens subtracted, which leaves the softmax
-    unchanged and makes the keys' range small); ``Q K^T`` is exact in int32, the online softmax is
+    Queries and keys are quantized to INT8 with one float32 scale per group of rows, both first
+    smoothed (each one's per-channel mean over the sequence's tokens subtracted: for K this leaves
+    the softmax unchanged, for Q the subtracted part returns as an exact per-key bias); ``Q K^T`` is exact in int32, the online softmax is
     float32 in base 2 with ``sm_scale * log2(e)`` folded into Q's scales. The groups, scales and
     rounding are fixed in ``torch_kernels.reference.quantized_attention`` so that every backend
     produces the same int8 values.
@@ -298,6 +305,9 @@ def quantized_attention(
             scaled by 448) or ``"none"`` (P.V in the inputs' precision).
         smooth_k: subtract the keys' mean first (recommended; it matters for keys with large
             per-channel offsets, as in many LLMs).
+        smooth_q: quantize the queries minus their mean and add the part taken out back exactly,
+            as a float32 bias per key (SageAttention 2; recommended: real queries carry per-channel
+            offsets that would otherwise set the int8 scales).
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``[S + 1]`` offsets of ``S`` packed
             sequences (FlashAttention's varlen convention) with ``B = 1``; a sequence attends
             only within itself, and its quantization groups start at its first token.
@@ -335,11 +345,13 @@ def quantized_attention(
     if q.dim() == 4 and sm_scale is None:
         sm_scale = q.shape[3] ** -0.5
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
-                 smooth_k=smooth_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout)
+                 smooth_k=smooth_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, smooth_q=smooth_q,
+                 layout=layout)
     if layout == "NHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out, lse = quantized_attention_op(q, k, v, float(sm_scale), causal, granularity, pv_dtype, smooth_k,
-                                      cu_seqlens_q, cu_seqlens_k, backends.implementation_arg(implementation))
+                                      cu_seqlens_q, cu_seqlens_k, backends.implementation_arg(implementation),
+                                      smooth_q)
     if layout == "NHD":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -349,7 +361,7 @@ def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     """``torch.nn.functional.scaled_dot_product_attention`` with :func:`quantized_attention` inside,
     for code that swaps SDPA wholesale (same signature, same ``[B, H, L, E]`` layout).
 
-    The quantized path (defaults: per-block INT8, ``pv_dtype="fp16"``, smoothed keys) runs for
+    The quantized path (defaults: per-block INT8, ``pv_dtype="fp16"``, smoothed queries and keys) runs for
     4-dimensional float16 / bfloat16 / float32 inputs with equal head sizes, no ``attn_mask``,
     ``dropout_p == 0``, equal query and key heads (or a multiple with ``enable_gqa=True``) and,
     with ``is_causal``, equal query and key lengths (SDPA's causal mask is top-left aligned,

@@ -3,10 +3,12 @@
 The kernel contract every backend follows (inputs already checked and contiguous by
 ``torch_kernels.ops.quantized_attention``):
 
-- ``quantized_attention(q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, D], k_mean, sm_scale,
-  causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k) -> (out [B, Hq, Nq, D] in q's dtype,
-  lse float32 [B, Hq, Nq])``. ``k_mean`` is float32 ``[S, Hkv, D]`` (:func:`key_mean`, computed
-  once by the op so that every backend smooths with the same numbers) or None without smoothing;
+- ``quantized_attention(q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, D], k_mean, q_mean,
+  key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k) -> (out
+  [B, Hq, Nq, D] in q's dtype, lse float32 [B, Hq, Nq])``. ``k_mean`` float32 ``[S, Hkv, D]``,
+  ``q_mean`` float32 ``[S, Hq, D]`` and ``key_bias`` float32 ``[B, Hq, Nk]`` come from
+  :func:`smoothing`, computed once by the op so that every backend smooths with the same numbers;
+  each is None when its smoothing is off (``q_mean`` and ``key_bias`` together).
   ``cu_seqlens_*`` are int64 ``[S + 1]`` with ``B = 1``, or None (then ``S = B``).
 - ``quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q,
   cu_seqlens_k) -> (dq, dk, dv)``: the gradient of exact attention (see :func:`attention_backward`).
@@ -21,8 +23,15 @@ bit for bit (P.V and the softmax agree to rounding, not bitwise):
 2. K smoothing: ``k_s = float32(k) - k_mean[s, h]``, the mean over the sequence's tokens. Softmax
    is invariant to a shift of a row's scores, and smoothing shifts row ``i`` by
    ``sm_scale * q_i . k_mean`` only; the lse adds that back.
-3. Queries: ``q' = float32(q) * c`` with ``c = float32(sm_scale * log2(e))`` (so scores come out
-   in base 2 and the softmax uses exp2). Per group ``g`` of rows: ``amax = max |q'|``,
+   Q smoothing (SageAttention 2): ``q_s = float32(q) - q_mean[s, h]``, the mean over the
+   sequence's query rows, is what gets quantized, and the part taken out returns exactly as a
+   per-key bias ``key_bias[b, h, j] = float32((q_mean[s, h] . k_s[j]) * c)`` (float32 dot
+   products, ``k_s = float32(k)`` without K smoothing). Real queries carry large per-channel
+   offsets; without this, the offset sets every group's int8 scale and the rest of each query
+   loses its precision.
+3. Queries: ``q' = q_s * c`` with ``c = float32(sm_scale * log2(e))`` (so scores come out
+   in base 2 and the softmax uses exp2; ``q_s = float32(q)`` without Q smoothing). Per group ``g``
+   of rows: ``amax = max |q'|``,
    ``scale = amax / 127`` (1 where amax is 0), ``q_int8 = clamp(round_half_even(q' / scale),
    -127, 127)`` with IEEE float32 division. Keys: the same on ``k_s`` with ``c = 1``.
 4. Groups (``granularity``), with ``BLOCK_Q = 128``, ``BLOCK_K = 64``, ``WARP_Q = 32``:
@@ -39,7 +48,7 @@ bit for bit (P.V and the softmax agree to rounding, not bitwise):
 
 5. Scores: ``s_int = q_int8 @ k_int8^T`` exactly (int32 accumulation; emulated here in float64,
    exact since ``|s_int| <= 127^2 D < 2^53``), then ``s = (float32(s_int) * q_scale[i]) *
-   k_scale[j]`` in float32. Causal: key ``j`` is visible from query ``i`` iff
+   k_scale[j] + key_bias[j]`` in float32 (no ``+ key_bias`` without Q smoothing). Causal: key ``j`` is visible from query ``i`` iff
    ``j <= i + Nk - Nq`` (bottom-right aligned, as FlashAttention); masked scores are -inf.
 6. Online softmax in float32 over key tiles of ``BLOCK_K``: ``m' = max(m, rowmax s)``,
    ``p = exp2(s - m')``, ``l = l * exp2(m - m') + rowsum p``, ``acc = acc * exp2(m - m') + P V``.
@@ -55,8 +64,9 @@ bit for bit (P.V and the softmax agree to rounding, not bitwise):
    ``"none"``: P rounded to the inputs' dtype and V as given, products summed in float32.
 8. NaN and inf are never dropped: a quantization group holding one gets an infinite scale and
    all-zero entries (NaN stored as 0, as float -> int8 of NaN differs by device), so every score
-   computed from it is NaN. That reaches the outputs of its query group, or of every query that
-   sees its key group (through the key mean, its whole head when smoothing). A NaN value reaches
+   computed from it is NaN. That reaches the outputs of its query group (through the query mean
+   and the key bias, its whole head with Q smoothing), or of every query that sees its key group
+   (through the key mean, its whole head with K smoothing). A NaN value reaches
    every row attending to it, and possibly others of its head (masked probabilities are 0 and
    0 * NaN is NaN; with ``"fp8"`` its channel's scale is NaN).
 
@@ -91,14 +101,42 @@ def sequences(batch: int, nq: int, nk: int, cu_seqlens_q, cu_seqlens_k) -> list[
     return [(0, cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(len(cq) - 1)]
 
 
-def key_mean(k: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[S, Hkv, D]``: each sequence's mean key per head (0 for an empty sequence)."""
-    if cu_seqlens_k is None:
-        return k.float().mean(dim=2) if k.shape[2] else k.new_zeros(k.shape[:2] + k.shape[3:], dtype=torch.float32)
-    means = [k[0, :, start:end].float().mean(dim=1) if end > start else
-             k.new_zeros(k.shape[1], k.shape[3], dtype=torch.float32)
-             for _, _, _, start, end in sequences(1, 0, k.shape[2], cu_seqlens_k, cu_seqlens_k)]
-    return torch.stack(means) if means else k.new_zeros(0, k.shape[1], k.shape[3], dtype=torch.float32)
+def sequence_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[S, H, D]``: each sequence's mean row per head of ``x [B, H, N, D]`` (0 for an
+    empty sequence); the smoothing means of keys and of queries."""
+    if cu_seqlens is None:
+        return x.float().mean(dim=2) if x.shape[2] else x.new_zeros(x.shape[:2] + x.shape[3:], dtype=torch.float32)
+    means = [x[0, :, start:end].float().mean(dim=1) if end > start else
+             x.new_zeros(x.shape[1], x.shape[3], dtype=torch.float32)
+             for _, _, _, start, end in sequences(1, 0, x.shape[2], cu_seqlens, cu_seqlens)]
+    return torch.stack(means) if means else x.new_zeros(0, x.shape[1], x.shape[3], dtype=torch.float32)
+
+
+def key_bias(k: torch.Tensor, k_mean: torch.Tensor | None, q_mean: torch.Tensor, sm_scale: float,
+             cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[B, Hq, Nk]``: the scores Q smoothing takes out, ``(q_mean[s, h] . k_s[j]) * c``
+    for every key ``j`` of sequence ``s`` (step 2 of the module docstring)."""
+    batch, hkv, nk, d = k.shape
+    hq = q_mean.shape[1]
+    folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()
+    bias = k.new_zeros(batch, hkv, hq // hkv, nk, dtype=torch.float32)
+    for s, (b, _, _, k0, k1) in enumerate(sequences(batch, 0, nk, cu_seqlens_k, cu_seqlens_k)):
+        keys = k[b, :, k0:k1].float()  # [Hkv, n, D]
+        if k_mean is not None:
+            keys = keys - k_mean[s][:, None, :]
+        # each kv head serves hq // hkv query heads
+        bias[b, :, :, k0:k1] = q_mean[s].view(hkv, hq // hkv, d) @ keys.transpose(-1, -2) * folded
+    return bias.view(batch, hq, nk)
+
+
+def smoothing(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_q: bool, smooth_k: bool,
+              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None):
+    """``(k_mean, q_mean, key_bias)`` for the kernels (None where that smoothing is off)."""
+    k_mean = sequence_mean(k, cu_seqlens_k) if smooth_k else None
+    if not smooth_q:
+        return k_mean, None, None
+    q_mean = sequence_mean(q, cu_seqlens_q)
+    return k_mean, q_mean, key_bias(k, k_mean, q_mean, sm_scale, cu_seqlens_k)
 
 
 def visible(nq: int, nk: int, causal: bool, device) -> torch.Tensor | None:
@@ -140,10 +178,12 @@ def quantize_int8(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> tupl
     return y.masked_fill(y.isnan(), 0).to(torch.int8), scale
 
 
-def quantize_queries(q: torch.Tensor, sm_scale: float, granularity: str):
-    """Queries ``[H, N, D]`` of one sequence with ``sm_scale * log2(e)`` folded in: ``(int8, scale [H, N])``."""
+def quantize_queries(q: torch.Tensor, mean: torch.Tensor | None, sm_scale: float, granularity: str):
+    """Queries ``[H, N, D]`` of one sequence, minus ``mean [H, D]`` if given, with ``sm_scale *
+    log2(e)`` folded in: ``(int8, scale [H, N])``."""
     folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()  # the float32 constant kernels use
-    return quantize_int8(q.float() * folded, *row_groups(q.shape[1], "q", granularity, q.device))
+    smoothed = q.float() if mean is None else q.float() - mean[:, None, :]
+    return quantize_int8(smoothed * folded, *row_groups(q.shape[1], "q", granularity, q.device))
 
 
 def quantize_keys(k: torch.Tensor, mean: torch.Tensor | None, granularity: str):
@@ -176,12 +216,13 @@ def _pv_operands(v: torch.Tensor, pv_dtype: str):
 
 # ---- attention ----
 
-def _attend(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
-    """One sequence: q ``[Hq, Nq, D]``, k and v ``[Hkv, Nk, D]`` -> (out ``[Hq, Nq, D]`` float32, lse ``[Hq, Nq]``)."""
+def _attend(q, k, v, mean, q_mean, bias, sm_scale, causal, granularity, pv_dtype):
+    """One sequence: q ``[Hq, Nq, D]``, k and v ``[Hkv, Nk, D]``, the smoothing means ``[H, D]``
+    and key bias ``[Hq, Nk]`` (or None) -> (out ``[Hq, Nq, D]`` float32, lse ``[Hq, Nq]``)."""
     hq, nq, d = q.shape
     hkv, nk = k.shape[:2]
     group = hq // hkv
-    q8, q_scale = quantize_queries(q, sm_scale, granularity)
+    q8, q_scale = quantize_queries(q, q_mean, sm_scale, granularity)
     k8, k_scale = quantize_keys(k, mean, granularity)
     v_read, v_scale, round_p = _pv_operands(v, pv_dtype)
     # query heads grouped under their kv head: [Hkv, G, Nq, ...]
@@ -194,6 +235,8 @@ def _attend(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
         end = min(start + BLOCK_K, nk)
         s_int = int8_matmul(q8, k8[:, None, start:end].transpose(-1, -2))
         s = s_int.float() * q_scale * k_scale[:, None, None, start:end]
+        if bias is not None:
+            s = s + bias.view(hkv, group, 1, nk)[..., start:end]
         if mask is not None:
             s = s.masked_fill(~mask[:, start:end], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -212,36 +255,42 @@ def _attend(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
     return out.reshape(hq, nq, d), lse.reshape(hq, nq)
 
 
-def _run(attend, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+def _run(attend, q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q,
+         cu_seqlens_k):
     batch, hq, nq, d = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, hq, nq), -math.inf, dtype=torch.float32, device=q.device)
     for s, (b, q0, q1, k0, k1) in enumerate(sequences(batch, nq, k.shape[2], cu_seqlens_q, cu_seqlens_k)):
         if q1 == q0 or k1 == k0:  # no queries, or nothing to attend to: zeros and -inf
             continue
-        mean = None if k_mean is None else k_mean[s]
-        out[b, :, q0:q1], lse[b, :, q0:q1] = attend(q[b, :, q0:q1], k[b, :, k0:k1], v[b, :, k0:k1], mean, sm_scale,
-                                                   causal, granularity, pv_dtype)
+        means = (None if k_mean is None else k_mean[s], None if q_mean is None else q_mean[s],
+                 None if key_bias is None else key_bias[b, :, k0:k1])
+        out[b, :, q0:q1], lse[b, :, q0:q1] = attend(q[b, :, q0:q1], k[b, :, k0:k1], v[b, :, k0:k1], *means,
+                                                   sm_scale, causal, granularity, pv_dtype)
     return out.to(q.dtype), lse
 
 
-def quantized_attention(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k):
+def quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q,
+                        cu_seqlens_k):
     """The reference backend's kernel: INT8 QK^T, float32 online softmax over key tiles, P.V per
     ``pv_dtype`` (module docstring, steps 1-7). Returns ``(out in q's dtype, lse float32)``."""
-    return _run(_attend, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k)
+    return _run(_attend, q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q,
+                cu_seqlens_k)
 
 
-def _attend_naive(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
+def _attend_naive(q, k, v, mean, q_mean, bias, sm_scale, causal, granularity, pv_dtype):
     """One sequence, no tiles: dequantized scores, one float64 softmax (natural base), P.V with V
     as the kernel reads it (P unrounded, the difference the tests allow for)."""
     hq, nq, d = q.shape
     hkv, nk = k.shape[:2]
-    q8, q_scale = quantize_queries(q, sm_scale, granularity)
+    q8, q_scale = quantize_queries(q, q_mean, sm_scale, granularity)
     k8, k_scale = quantize_keys(k, mean, granularity)
     v_read, v_scale, _ = _pv_operands(v, pv_dtype)
     group = hq // hkv
     scores = (q8.double() * q_scale.double()[..., None]).view(hkv, group, nq, d) @ \
         (k8.double() * k_scale.double()[..., None])[:, None].transpose(-1, -2) * LN2  # base 2 -> natural
+    if bias is not None:
+        scores = scores + bias.double().view(hkv, group, 1, nk) * LN2
     if mean is not None:
         scores = scores + sm_scale * (q.double().view(hkv, group, nq, d) @ mean.double()[:, None, :, None])
     mask = visible(nq, nk, causal, q.device)
@@ -253,12 +302,13 @@ def _attend_naive(q, k, v, mean, sm_scale, causal, granularity, pv_dtype):
     return out.reshape(hq, nq, d), lse.reshape(hq, nq)
 
 
-def quantized_attention_naive(q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q=None,
-                              cu_seqlens_k=None):
+def quantized_attention_naive(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype,
+                              cu_seqlens_q=None, cu_seqlens_k=None):
     """The definition the kernel tiles: the same int8 values and scales, the whole row's softmax at
     once in float64 (lse includes the smoothing correction). Same arguments and results as
     :func:`quantized_attention`."""
-    return _run(_attend_naive, q, k, v, k_mean, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q, cu_seqlens_k)
+    return _run(_attend_naive, q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype,
+                cu_seqlens_q, cu_seqlens_k)
 
 
 # ---- backward ----
