@@ -16,10 +16,12 @@ from .ops import linear_attention as linear_attention_ops
 from .ops import moe as moe_ops
 from .ops import ood as ood_ops
 from .ops import paged_attention as paged_attention_ops
+from .ops import quantized_attention as quantized_attention_ops
 from .reference import linear_attention as linear_attention_reference
 from .reference import moe as moe_reference
 from .reference import ood as ood_reference
 from .reference import paged_attention as paged_attention_reference
+from .reference import quantized_attention as quantized_attention_reference
 
 # dtype -> (rtol, atol) against the float32/float64 definition; low precision covers the
 # whitening GEMM multiplied in x's own precision.
@@ -139,6 +141,28 @@ def _grouped_mm_definition(x, w, offsets):
     return moe_reference.grouped_mm_naive(x.double(), w.double(), offsets, torch.float64)
 
 
+def quantized_attention_inputs(gen, dtype, device, b=2, heads=(4, 2), nq=67, nk=131, head_size=64):
+    """GQA, more keys than queries (bottom-right causal), keys with per-channel offsets."""
+    q = torch.randn(b, heads[0], nq, head_size, generator=gen)
+    k = torch.randn(b, heads[1], nk, head_size, generator=gen) + 5 * torch.randn(1, heads[1], 1, head_size, generator=gen)
+    v = torch.randn(b, heads[1], nk, head_size, generator=gen)
+    return tuple(t.to(device, dtype) for t in (q, k, v))
+
+
+def _quantized_attention_run(q, k, v, implementation=None):
+    # P.V in the inputs' precision: the check is then of the int8 scores and the softmax alone
+    return quantized_attention_ops.quantized_attention(q, k, v, causal=True, pv_dtype="none",
+                                                       implementation=implementation)
+
+
+def _quantized_attention_definition(q, k, v):
+    """The same int8 scores, one float64 softmax over the whole row."""
+    sm_scale = q.shape[-1] ** -0.5
+    smoothing = quantized_attention_reference.smoothing(q, k, sm_scale, True, True)
+    return quantized_attention_reference.quantized_attention_naive(q, k, v, *smoothing, sm_scale, True, "per_block",
+                                                                   "none")[0]
+
+
 CASES = [
     Case("mahalanobis_score", mahalanobis_inputs, ood_ops.mahalanobis_score, ood_reference.mahalanobis_score_naive),
     Case("ragged_paged_attention", paged_attention_inputs, paged_attention_ops.ragged_paged_attention,
@@ -146,6 +170,7 @@ CASES = [
     *(_linear_attention_case(op) for op in linear_attention_ops.OPS),
     Case("fused_moe", moe_inputs, moe_ops.fused_moe, _fused_moe_definition),
     Case("grouped_mm", grouped_mm_inputs, moe_ops.grouped_mm, _grouped_mm_definition),
+    Case("quantized_attention", quantized_attention_inputs, _quantized_attention_run, _quantized_attention_definition),
 ]
 
 
