@@ -1,0 +1,1 @@
+"""Tests of torch_kernels' vLLM plugin; they run in .venv-vllm (scripts/test_vllm.sh), not in .venv."""

@@ -1,0 +1,80 @@
+"""Hugging Face checkpoints for the vLLM tests and benchmark, made once and cached.
+
+vLLM cannot read the packaged SmolLM2 GGUF file, so :func:`smollm2_hf` loads it with
+transformers (dequantized to float32) and saves it as a plain Llama folder; :func:`tiny_moe`
+saves a small random-weight Qwen3-MoE with SmolLM2's tokenizer. Both live beside the GGUF file in
+``$TORCH_KERNELS_CACHE/models`` (default ``~/.cache/torch_kernels/models``), outside the work
+tree, and are written to a temporary folder first, so a reader never sees half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+from torch_kernels import models
+
+SMOLLM2_DIR = "SmolLM2-135M-Instruct-hf"
+TINY_MOE_DIR = "tiny-qwen3-moe-random"
+
+
+def _cached(name: str, make) -> pathlib.Path:
+    target = models.default_path().parent / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        make(partial)
+        os.replace(partial, target)  # atomic; if another process won the race, keep theirs
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def smollm2_hf() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (about 540 MB; about 20 s once)."""
+
+    def make(folder: pathlib.Path) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        gguf_model, tokenizer = models.load_smollm2(dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized now
+        model = LlamaForCausalLM(config).eval()
+        model.load_state_dict(gguf_model.state_dict())
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _cached(SMOLLM2_DIR, make)
+
+
+def tiny_moe() -> pathlib.Path:
+    """A 2-layer Qwen3-MoE (8 experts, top 2, hidden 64, head size 32) with fixed random weights
+    and SmolLM2's tokenizer. Its weights are scaled up so that greedy choices are not near-ties."""
+    tokenizer_dir = smollm2_hf()
+
+    def make(folder: pathlib.Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            max_position_embeddings=2048, initializer_range=0.15, tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(config).eval()
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _cached(TINY_MOE_DIR, make)

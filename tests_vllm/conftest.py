@@ -1,0 +1,129 @@
+"""Fixtures of the vLLM plugin tests: checkpoints, and engine runs in fresh processes.
+
+Each way of starting vLLM gets its own process (``engine_run.launch``), because vLLM loads its
+plugins once per process: the plugin selected (``TORCH_KERNELS_VLLM=1``), vLLM with no plugins
+(``VLLM_PLUGINS=""``, the built-in backends), the plugin installed but not selected, and vLLM's
+default multi-process engine. A process runs several engines one after another; two processes
+run at once where two cores allow. Results are shared by the tests of the session.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from . import checkpoints, workload
+from .engine_run import EngineProcess, launch
+
+SKIP_REASON = "vLLM is not installed here; run bash scripts/test_vllm.sh (uses .venv-vllm)"
+
+PLUGIN = {"TORCH_KERNELS_VLLM": "1", "VLLM_PLUGINS": None}
+BUILTIN = {"TORCH_KERNELS_VLLM": None, "VLLM_PLUGINS": ""}
+NOT_SELECTED = {"TORCH_KERNELS_VLLM": None, "VLLM_PLUGINS": None}
+MULTIPROCESS_PLUGIN = {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+SHORT_PROMPTS = 3
+SHORT_MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    return str(checkpoints.smollm2_hf())
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir() -> str:
+    return str(checkpoints.tiny_moe())
+
+
+def _comparison_jobs(smollm2_dir: str, tiny_moe_dir: str) -> list[dict]:
+    """What runs both with the plugin and with vLLM's built-in backends."""
+    def smollm2(name: str, dtype: str, **engine) -> dict:
+        return {"name": name, "model": smollm2_dir, "engine": workload.engine_args(dtype, **engine),
+                "prompts": workload.PROMPTS, "max_tokens": workload.MAX_TOKENS}
+
+    return [
+        {**smollm2("float32", "float32"), "rounds": 2},  # the second round starts from cached prefixes
+        smollm2("bfloat16", "bfloat16"),
+        {"name": "moe", "model": tiny_moe_dir, "engine": workload.engine_args("float32"),
+         "prompts": workload.PROMPTS, "max_tokens": workload.MAX_TOKENS},
+    ]
+
+
+def _short_job(name: str, smollm2_dir: str, **engine) -> dict:
+    """A few prompts, a few tokens: enough to see which classes run and what they produce."""
+    return {"name": name, "model": smollm2_dir, "engine": {**workload.engine_args("float32"), **engine},
+            "prompts": workload.PROMPTS[:SHORT_PROMPTS], "max_tokens": SHORT_MAX_TOKENS}
+
+
+def _run_in_pairs(phases: list[dict[str, tuple[list[dict], dict]]]) -> dict[str, dict]:
+    """Each phase's processes at once, one torch thread each, when this process may use as many
+    cores; else one after another with torch's default threads. (An in-process engine runs the
+    model on torch's intra-op threads; two processes of two threads on two cores would spin.)"""
+    results = {}
+    for phase in phases:
+        if len(os.sched_getaffinity(0)) >= len(phase):
+            running = {name: EngineProcess(jobs, {**env, "OMP_NUM_THREADS": "1"})
+                       for name, (jobs, env) in phase.items()}
+            results.update({name: process.result() for name, process in running.items()})
+        else:
+            results.update({name: launch(jobs, env) for name, (jobs, env) in phase.items()})
+    return results
+
+
+def _by_name(report: dict) -> dict[str, dict]:
+    return {job["name"]: job for job in report["jobs"]}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(smollm2_dir, tiny_moe_dir) -> dict[str, dict]:
+    """Every engine run of the session: the plugin's and the built-in backends' runs of the same
+    jobs side by side, then the plugin installed but not selected beside vLLM's default
+    multi-process engine with the plugin."""
+    comparison = _comparison_jobs(smollm2_dir, tiny_moe_dir)
+    multiprocess = _short_job("float32_multiprocess", smollm2_dir)
+    del multiprocess["engine"]["distributed_executor_backend"]  # vLLM's default: the engine core in its own process
+    return _run_in_pairs([
+        {"plugin": (comparison, PLUGIN), "builtin": (comparison, BUILTIN)},
+        {"not_selected": ([_short_job("float32", smollm2_dir)], NOT_SELECTED),
+         "multiprocess": ([multiprocess], MULTIPROCESS_PLUGIN)},
+    ])
+
+
+@pytest.fixture(scope="session")
+def plugin_runs(engine_runs) -> dict[str, dict]:
+    return _by_name(engine_runs["plugin"])
+
+
+@pytest.fixture(scope="session")
+def builtin_runs(engine_runs) -> dict[str, dict]:
+    return _by_name(engine_runs["builtin"])
+
+
+@pytest.fixture(scope="session")
+def not_selected_run(engine_runs) -> dict:
+    return engine_runs["not_selected"]["jobs"][0]
+
+
+@pytest.fixture(scope="session")
+def multiprocess_run(engine_runs) -> dict:
+    return engine_runs["multiprocess"]["jobs"][0]
+
+
+@pytest.fixture(scope="session")
+def transformers_tokens(smollm2_dir) -> list[list[int]]:
+    """Greedy tokens of transformers' ``generate`` on the float32 model, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in workload.PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=workload.MAX_TOKENS,
+                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            tokens.append(out[0, ids.shape[1]:].tolist())
+    return tokens

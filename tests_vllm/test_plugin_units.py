@@ -1,0 +1,180 @@
+"""The plugin's pieces without an engine: selection, the version pin, what it declares, and its
+attention impl reading and writing a vLLM-shaped KV cache in place (checked against the ops'
+readable definition on plain copies)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from . import conftest
+
+vllm = pytest.importorskip("vllm", reason=conftest.SKIP_REASON)
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
+from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+
+from torch_kernels.integrations import vllm as plugin  # noqa: E402
+from torch_kernels.reference.paged_attention import ragged_paged_attention_naive  # noqa: E402
+
+MOE_NAME = "UnquantizedFusedMoEMethod"
+
+
+@pytest.fixture
+def clean_registries():
+    """Undo what register() may do in this process."""
+    yield
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    op_registry_oot.pop(MOE_NAME, None)
+
+
+@pytest.mark.parametrize("value, selected", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_env_var_selects(monkeypatch, value, selected):
+    if value is None:
+        monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(plugin.ENV_VAR, value)
+    assert plugin.selected_by_env() is selected
+
+
+def test_env_var_other_values_are_refused(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="TORCH_KERNELS_VLLM: expected 1"):
+        plugin.selected_by_env()
+
+
+def test_register_not_selected_replaces_nothing(monkeypatch, clean_registries):
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    plugin.register()
+    plugin.register()  # vLLM may call it again; nothing changes
+    assert AttentionBackendEnum[plugin.BACKEND_NAME].get_path() == plugin.BACKEND_PATH
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    assert MOE_NAME not in op_registry_oot
+
+
+def test_register_selected_takes_cpu_attention_and_moe(monkeypatch, clean_registries):
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    plugin.register()
+    plugin.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is plugin.TorchKernelsAttentionBackend
+    assert op_registry_oot[MOE_NAME] is plugin.TorchKernelsFusedMoEMethod
+
+
+def test_selected_under_another_vllm_version_refuses(monkeypatch, clean_registries):
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setattr(vllm, "__version__", "0.31.9")
+    with pytest.raises(RuntimeError, match=r"tested with vllm 0\.32\.0 and this is vllm 0\.31\.9"):
+        plugin.register()
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    with pytest.raises(RuntimeError, match="tested with vllm"), set_current_vllm_config(VllmConfig()):
+        plugin.TorchKernelsAttentionImpl(4, 32, 32 ** -0.5, 2)  # attention_backend="TORCH_KERNELS" reaches this
+
+
+def test_env_var_prefers_torch_kernels_where_the_platform_chooses():
+    class Platform:  # a platform that returns what it was asked for, as CUDA's does after validating it
+        @classmethod
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            return selected_backend
+
+    plugin._prefer_torch_kernels(Platform)
+    plugin._prefer_torch_kernels(Platform)  # once is enough
+    plain = AttentionSelectorConfig(head_size=64, dtype=torch.float16, kv_cache_dtype="auto", block_size=16)
+    ours = AttentionBackendEnum[plugin.BACKEND_NAME]
+    assert Platform.get_attn_backend_cls(None, plain) is ours
+    assert Platform.get_attn_backend_cls(None, plain._replace(use_mla=True)) is None  # MLA: the platform's own
+    chosen = AttentionBackendEnum.FLASH_ATTN
+    assert Platform.get_attn_backend_cls(chosen, plain) is chosen  # an explicit choice stands
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi not supported"),
+    ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type .*ENCODER_ONLY.* not supported"),
+    ({"sinks": torch.zeros(4)}, "attention sinks not supported"),
+    ({"kv_cache_dtype": "bfloat16"}, "a bfloat16 KV cache with a torch.float32 model"),
+    ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype not supported"),
+])
+def test_impl_refuses_what_it_does_not_support(kwargs, reason):
+    with set_current_vllm_config(VllmConfig()), pytest.raises(NotImplementedError, match=reason):
+        plugin.TorchKernelsAttentionImpl(4, 32, 32 ** -0.5, 2, **kwargs)
+
+
+class _Layer:
+    """What the impl reads from vLLM's Attention layer: the KV-cache scales."""
+
+    def __init__(self, k_scale: float, v_scale: float):
+        self._k_scale = torch.tensor(k_scale)
+        self._v_scale = torch.tensor(v_scale)
+
+
+def _vllm_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, physical_order):
+    """A layer's cache as vLLM makes it: logically [B, H, N, 2 * D], stored in ``physical_order``
+    of those axes (LBNHC: (0, 2, 1, 3); LBHNC: (0, 1, 2, 3)), filled with garbage."""
+    logical = (num_blocks, num_kv_heads, block_size, 2 * head_size)
+    storage = torch.randn([logical[axis] for axis in physical_order]).to(dtype)
+    return storage.permute([physical_order.index(axis) for axis in range(4)])
+
+
+@pytest.mark.parametrize("layout", [(0, 2, 1, 3), (0, 1, 2, 3)], ids=["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_impl_writes_and_reads_vllm_cache_in_place(layout, kv_cache_dtype):
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 6, 2, 32, 8, 12
+    k_scale, v_scale = (0.5, 0.25) if kv_cache_dtype == "fp8" else (1.0, 1.0)
+    storage_dtype = torch.uint8 if kv_cache_dtype == "fp8" else torch.float32
+    kv_cache = _vllm_cache(num_blocks, num_kv_heads, block_size, head_size, torch.float32, layout)
+    if kv_cache_dtype == "fp8":  # bytes of finite fp8 values, as a uint8 cache holds them
+        kv_cache = (kv_cache.clamp(-4, 4).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert kv_cache.dtype == storage_dtype
+    before = kv_cache.clone()
+    # two sequences: 5 cached tokens + a chunk of 7 new ones; 10 cached + 1 new (a decode)
+    q_lens, kv_lens = [7, 1], [12, 11]
+    block_table = torch.tensor([[3, 7, 0], [9, 1, 5]], dtype=torch.int32)
+    slots = [int(block_table[s, p // block_size]) * block_size + p % block_size
+             for s in range(2) for p in range(kv_lens[s] - q_lens[s], kv_lens[s])]
+    metadata = plugin.TorchKernelsAttentionMetadata(
+        num_actual_tokens=8, cu_q_lens=torch.tensor([0, 7, 8], dtype=torch.int32),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32), block_table=block_table,
+        slot_mapping=torch.tensor(slots))
+    tokens = 10  # two padding rows past num_actual_tokens
+    query = torch.randn(tokens, num_heads, head_size)
+    key, value = torch.randn(tokens, num_kv_heads, head_size), torch.randn(tokens, num_kv_heads, head_size)
+    output = torch.full((tokens, num_heads, head_size), 7.0)
+    with set_current_vllm_config(VllmConfig()):
+        impl = plugin.TorchKernelsAttentionImpl(num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                                                kv_cache_dtype=kv_cache_dtype, sliding_window=6, logits_soft_cap=3.0)
+    impl.forward(_Layer(k_scale, v_scale), query, key, value, kv_cache, metadata, output)
+
+    # the expected result on plain float32 copies in the ops' layout, by the readable definition
+    def plain(half: slice, scale: float) -> torch.Tensor:
+        pages = before.view(torch.float8_e4m3fn) if kv_cache_dtype == "fp8" else before
+        return (pages.permute(0, 2, 1, 3)[..., half].float() * scale).contiguous()
+
+    key_cache, value_cache = plain(slice(0, head_size), k_scale), plain(slice(head_size, None), v_scale)
+    stored_key, stored_value = key[:8], value[:8]
+    if kv_cache_dtype == "fp8":  # what an fp8 cache gives back
+        stored_key = (key[:8] / k_scale).to(torch.float8_e4m3fn).float() * k_scale
+        stored_value = (value[:8] / v_scale).to(torch.float8_e4m3fn).float() * v_scale
+    expected = ragged_paged_attention_naive(
+        query[:8], key_cache, value_cache, metadata.cu_q_lens, metadata.kv_lens, block_table, head_size ** -0.5,
+        sliding_window=6, soft_cap=3.0, key=stored_key, value=stored_value, slot_mapping=metadata.slot_mapping)
+    torch.testing.assert_close(output[:8], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(output[8:], torch.full((2, num_heads, head_size), 7.0))  # padding rows untouched
+    assert impl.calls == 1
+
+    # the new tokens landed in vLLM's own tensor: keys in the first D of the last dimension, values in
+    # the second, at [block, kv head, offset]; every other entry kept its bytes
+    expected_cache = before.clone()
+    for token, slot in enumerate(slots):
+        block, offset = divmod(slot, block_size)
+        for half, new, scale in ((slice(0, head_size), key, k_scale), (slice(head_size, None), value, v_scale)):
+            entry = new[token] / scale
+            if kv_cache_dtype == "fp8":
+                entry = entry.to(torch.float8_e4m3fn).view(torch.uint8)
+            expected_cache[block, :, offset, half] = entry
+    assert torch.equal(kv_cache, expected_cache)
+    assert math.isclose(impl.scale, head_size ** -0.5)

