@@ -1,6 +1,6 @@
-"""Mahalanobis OOD scoring: throughput, fit time, CLINC150 detection quality, mechanism overhead.
+"""OOD scoring (Mahalanobis and EDM): throughput, fit time, CLINC150 detection quality, mechanism overhead.
 
-    python benchmarks/ood.py [--quick] [--clinc DIR] [--budget S]
+    python benchmarks/ood.py [--quick] [--clinc DIR] [--budget S] [--edm-seeds N]
 
 Writes ``benchmarks/results/ood.md`` (tables), ``ood.json`` and ``ood.png``. Every figure in one
 table comes from the same run. On a CPU machine the triton backend runs under the Triton
@@ -27,7 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, machine_line, markdown_table, run_peer, seconds_per_call  # noqa: E402
 
 import torch_kernels  # noqa: E402
-from torch_kernels.ood import MahalanobisScorer  # noqa: E402
+from torch_kernels.ood import EDMScorer, MahalanobisScorer, evaluate  # noqa: E402
+from torch_kernels.ops import ood as ood_ops  # noqa: E402
 from torch_kernels.reference import ood as reference  # noqa: E402
 
 INTERPRETED = {"triton", "pallas"}  # on CPU tensors
@@ -46,7 +47,6 @@ def throughput(dims, batch_sizes, budget_s, interpreted_limit_s):
     from sklearn.covariance import EmpiricalCovariance
 
     gen = torch.Generator().manual_seed(0)
-    backends = torch_kernels.available_backends()
     rows, peer_cases, checks = [], [], []
     for d in dims:
         train = features(gen, 2 * d + 1000, d)
@@ -57,19 +57,8 @@ def throughput(dims, batch_sizes, budget_s, interpreted_limit_s):
         expected = [torch_kernels.mahalanobis_score(x, means, whitener) for x in xs]
         peer_cases.append({"mean": scorer.means_[0].float(), "precision": scorer.precision_.float(),
                            "batch_sizes": list(batch_sizes), "x": xs, "expected": expected})
-        for backend in backends:
-            previous = None  # (b, seconds): to skip interpreted calls that would take too long
-            for b, x, want in zip(batch_sizes, xs, expected):
-                label = backend + (" (interp.)" if backend in INTERPRETED else "")
-                if backend in INTERPRETED and previous and previous[1] * b / previous[0] > interpreted_limit_s:
-                    rows.append({"impl": label, "d": d, "b": b, "seconds": None})
-                    continue
-                got = torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend)
-                checks.append((label, d, b, ((got - want).abs() / want.abs().clamp(min=1e-6)).max().item()))
-                seconds = seconds_per_call(
-                    lambda: torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend), budget_s)
-                previous = (b, seconds)
-                rows.append({"impl": label, "d": d, "b": b, "seconds": seconds})
+        measure_backends(lambda x, backend: torch_kernels.mahalanobis_score(x, means, whitener, implementation=backend),
+                         "", d, xs, expected, budget_s, interpreted_limit_s, rows, checks)
         for b, x, want in zip(batch_sizes, xs, expected):
             xn = x.double().numpy()
             checks.append(("scikit-learn", d, b, float(np.max(np.abs(sk.mahalanobis(xn) - want.numpy())
@@ -77,6 +66,25 @@ def throughput(dims, batch_sizes, budget_s, interpreted_limit_s):
             rows.append({"impl": "scikit-learn", "d": d, "b": b,
                          "seconds": seconds_per_call(lambda: sk.mahalanobis(xn), budget_s)})
     return rows, peer_cases, checks
+
+
+def measure_backends(call, prefix, d, xs, expected, budget_s, interpreted_limit_s, rows, checks):
+    """Time ``call(x, backend)`` on every available backend for each batch in ``xs``, appending a
+    row per (backend, batch) and each result's largest relative difference from ``expected``.
+    Interpreted calls estimated to take over ``interpreted_limit_s`` are left out (seconds None)."""
+    for backend in torch_kernels.available_backends():
+        previous = None  # (b, seconds): to skip interpreted calls that would take too long
+        for x, want in zip(xs, expected):
+            b = x.shape[0]
+            label = prefix + backend + (" (interp.)" if backend in INTERPRETED else "")
+            if backend in INTERPRETED and previous and previous[1] * b / previous[0] > interpreted_limit_s:
+                rows.append({"impl": label, "d": d, "b": b, "seconds": None})
+                continue
+            got = call(x, backend)
+            checks.append((label, d, b, ((got - want).abs() / want.abs().clamp(min=1e-6)).max().item()))
+            seconds = seconds_per_call(lambda: call(x, backend), budget_s)
+            previous = (b, seconds)
+            rows.append({"impl": label, "d": d, "b": b, "seconds": seconds})
 
 
 def throughput_table(rows, dims, batch_sizes):
@@ -111,6 +119,44 @@ def fit_times(n, d, budget_s):
     return rows, data
 
 
+# ---------------------------------------------------------------------------------------- EDM
+
+
+def edm_fit_and_throughput(n, dims, batch_sizes, budget_s, interpreted_limit_s, steps=None):
+    """EDMScorer's fit time (its defaults) on ``n`` x ``d`` features for each ``d``, with one torch
+    thread and with torch's default count; then the ``edm_score`` op's throughput with the fitted
+    weights, as the Mahalanobis op's."""
+    gen = torch.Generator().manual_seed(3)
+    fit_rows, rows, checks = [], [], []
+    default_threads = torch.get_num_threads()
+    for d in dims:
+        data = features(gen, n, d)
+        for threads in sorted({1, default_threads}):
+            torch.set_num_threads(threads)
+            scorer = EDMScorer()
+            start = time.perf_counter()
+            try:
+                scorer.fit(data, steps, progress=False)
+            finally:
+                torch.set_num_threads(default_threads)
+            fit_rows.append({"n": n, "d": d, "seconds": time.perf_counter() - start, "width": scorer.width,
+                             "depth": scorer.depth, "steps": steps or EDMScorer.DEFAULT_STEPS,
+                             "grid": f"{scorer.levels} levels x {scorer.probes} probes",
+                             "passes": scorer.levels * scorer.probes, "threads": threads})
+        xs = [features(gen, b, d) for b in batch_sizes]
+        with torch.no_grad():
+            for statistic in ("denoise", "scoped"):
+                expected = [scorer.score(x, statistic, implementation="reference") for x in xs]
+                measure_backends(lambda x, backend: scorer.score(x, statistic, implementation=backend),
+                                 f"EDM {statistic}, ", d, xs, expected, budget_s, interpreted_limit_s, rows, checks)
+        for r in rows:
+            if r["d"] == d and r["seconds"]:
+                scoped = r["impl"].startswith("EDM scoped")
+                r["gflops"] = ood_ops.edm_score_flops(r["b"], d, scorer.width, scorer.depth,
+                                                      scorer.levels * scorer.probes, scoped) / r["seconds"] / 1e9
+    return fit_rows, rows, checks
+
+
 # ----------------------------------------------------------------------------------- CLINC150
 
 
@@ -139,13 +185,19 @@ def clinc_embeddings(directory: pathlib.Path):
     return out, False
 
 
-def clinc(directory: pathlib.Path):
-    from sklearn.metrics import roc_auc_score
-
+def clinc(directory: pathlib.Path, edm_seeds: int):
+    """Label-free and class-conditional Mahalanobis, and label-free EDM (``edm_seeds`` fits), all
+    measured by ``torch_kernels.ood.evaluate`` on the in-scope and out-of-scope test queries."""
     start = time.perf_counter()
     emb, cached = clinc_embeddings(directory)
     embed_s = None if cached else time.perf_counter() - start
     rows = []
+
+    def add(scorer_name, labels, config, scorer, fit_s, **extra):
+        metrics = evaluate(scorer, emb["test"], emb["oos_test"])
+        rows.append({"scorer": scorer_name, "labels": labels, "config": config, **metrics._asdict(), "fit_s": fit_s,
+                     **extra})
+
     # MiniLM's embeddings have a few constant dimensions: the plain empirical covariance is
     # singular (fit says so), so it gets a small ridge.
     configs = (("empirical", 1e-6), ("ledoit_wolf", 0.0), ("oas", 0.0))
@@ -153,13 +205,23 @@ def clinc(directory: pathlib.Path):
         for kind, ridge in configs:
             start = time.perf_counter()
             scorer = MahalanobisScorer(kind, ridge=ridge).fit(emb["train"], emb["train_labels"] if labelled else None)
-            fit_s = time.perf_counter() - start
-            inside, outside = scorer.score(emb["test"]), scorer.score(emb["oos_test"])
-            auroc = roc_auc_score(np.r_[np.zeros(len(inside)), np.ones(len(outside))], torch.cat([inside, outside]).numpy())
-            limit = scorer.threshold(emb["test"], tpr=0.95)
-            rows.append({"means": f"{len(emb['intents'])} intents" if labelled else "one (label-free)",
-                         "covariance": kind + (f", ridge {ridge:g}" if ridge else ""), "auroc": auroc, "fpr95": (outside <= limit).float().mean().item(),
-                         "fit_s": fit_s})
+            add("Mahalanobis", f"{len(emb['intents'])} intents" if labelled else "none",
+                kind + (f", ridge {ridge:g}" if ridge else ""), scorer, time.perf_counter() - start)
+    default_threads = torch.get_num_threads()
+    for seed in range(edm_seeds):
+        scorer = EDMScorer()
+        torch.set_num_threads(1)  # on a shared machine one thread trains several times faster than two
+        start = time.perf_counter()
+        try:
+            scorer.fit(emb["train"], seed=seed, progress=False)
+        finally:
+            torch.set_num_threads(default_threads)
+        fit_s = time.perf_counter() - start
+        config = (f"width {scorer.width}, depth {scorer.depth}, {scorer.levels} levels x {scorer.probes} probes, "
+                  f"seed {seed}, fit on 1 thread")
+        for statistic in ("denoise", "scoped"):
+            scorer.statistic = statistic
+            add(f"EDM {statistic}", "none", config, scorer, fit_s, seed=seed)
     sizes = {split: len(emb[split]) for split in ("train", "test", "oos_test")}
     return rows, sizes, embed_s
 
@@ -247,12 +309,14 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
     parser.add_argument("--interpreted-limit", type=float, default=20.0,
                         help="leave out interpreted calls estimated to take longer than this (s)")
+    parser.add_argument("--edm-seeds", type=int, default=3, help="EDM fits (seeds 0, 1, ...) on CLINC150")
     args = parser.parse_args(argv)
     dims = (384, 1024) if args.quick else (384, 1024, 4096)
     batch_sizes = (1, 64) if args.quick else (1, 64, 4096)
     budget = args.budget or (0.1 if args.quick else 0.5)
     fit_n, fit_d = (3000, 384) if args.quick else (15_000, 1024)
 
+    load_at_start = os.getloadavg()[0]
     print(f"# ood benchmark: {machine_line()}")
     print("throughput ...", flush=True)
     rows, peer_cases, checks = throughput(dims, batch_sizes, budget, 2.0 if args.quick else args.interpreted_limit)
@@ -269,19 +333,31 @@ def main(argv=None) -> int:
             checks.append(("pytorch-ood", r["d"], r["b"], r["max_rel_diff"]))
         for r in fit_rows:
             r["pytorch-ood"] = peer["fit"] if r["covariance"] == "empirical" else None
+    print("EDM fit and throughput ...", flush=True)
+    edm_dims = (384, 1024)
+    edm_fit_rows, edm_rows, edm_checks = edm_fit_and_throughput(
+        3000 if args.quick else 15_000, edm_dims, batch_sizes, budget, 2.0 if args.quick else args.interpreted_limit,
+        steps=200 if args.quick else None)
+    rows += edm_rows
+    checks += edm_checks
     print("mechanism ...", flush=True)
     mech_rows = mechanism(budget)
     clinc_rows = None
     if (args.clinc / "data_full.json").exists():
         print("CLINC150 ...", flush=True)
-        clinc_rows, clinc_sizes, embed_s = clinc(args.clinc)
+        clinc_rows, clinc_sizes, embed_s = clinc(args.clinc, 1 if args.quick else args.edm_seeds)
     else:
         print(f"CLINC150: {args.clinc}/data_full.json not found; section left out", file=sys.stderr)
 
-    out = [f"# Mahalanobis OOD scoring benchmark\n\n{machine_line()}" + (" (--quick)" if args.quick else "")]
-    out.append("\n## Scoring throughput, rows/s (C = 1, float32)\n")
+    out = [f"# OOD scoring benchmark (Mahalanobis and EDM)\n\n{machine_line()}" + (" (--quick)" if args.quick else "")
+           + f"; load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (other "
+           "processes share the 2 cores: the times are upper bounds)"]
+    out.append("\n## Scoring throughput, rows/s (float32)\n")
+    out.append("Mahalanobis: `mahalanobis_score` with C = 1. EDM: `edm_score` with the weights of the default "
+               f"`EDMScorer` fitted below ({edm_fit_rows[0]['grid']}: {edm_fit_rows[0]['passes']} denoiser passes per row; "
+               "`scoped` adds a Jacobian-vector product to each).\n")
     out.append(throughput_table(rows, dims, batch_sizes))
-    out.append("\n`-`: left out (an interpreted call estimated over the limit). "
+    out.append("\n`-`: left out (an interpreted call estimated over the limit, or EDM at D = 4096, not fitted). "
                + (f"pytorch-ood {peer['version']} ran under torch {peer['torch']} in its own environment."
                   if peer else "pytorch-ood: its environment is missing (benchmarks/setup.sh)."))
     worst = {}
@@ -289,7 +365,17 @@ def main(argv=None) -> int:
         worst[impl] = max(worst.get(impl, 0.0), diff)
     out.append("\nLargest relative difference from torch_kernels' default (reference) scores on the same inputs: "
                + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + ".")
-    out.append(f"\n## Fit time, N = {fit_n}, D = {fit_d}, seconds\n")
+    reference_edm = [r for r in edm_rows if r["impl"] in ("EDM denoise, reference", "EDM scoped, reference")
+                     and r.get("gflops")]
+    if reference_edm:
+        out.append("\nEDM on the reference backend, achieved GFLOP/s (the formula `edm_score_flops`: the "
+                   "denoiser's GEMMs): " + ", ".join(f"{r['impl'].split(',')[0]} D={r['d']} B={r['b']} "
+                                                     f"{r['gflops']:.1f}" for r in reference_edm) + ".")
+    out.append(f"\n## EDM fit time (EDMScorer defaults), seconds\n")
+    out.append(markdown_table(["N", "D", "width", "depth", "steps", "grid", "torch threads", "fit s", "goal"],
+                              [[r["n"], r["d"], r["width"], r["depth"], r["steps"], r["grid"], r["threads"],
+                                f"{r['seconds']:.1f}", "under 60 s on 2 cores"] for r in edm_fit_rows]))
+    out.append(f"\n## Mahalanobis fit time, N = {fit_n}, D = {fit_d}, seconds\n")
     out.append(markdown_table(["covariance", "torch_kernels", "scikit-learn", "pytorch-ood", "torch_kernels / scikit-learn"],
                               [[r["covariance"], f"{r['torch_kernels']:.3f}", f"{r['scikit-learn']:.3f}",
                                 "-" if r.get("pytorch-ood") is None else f"{r['pytorch-ood']:.3f}",
@@ -308,15 +394,24 @@ def main(argv=None) -> int:
                    + ("Embeddings loaded from the cache of an earlier run." if embed_s is None else
                       f"Embedding the {sum(clinc_sizes.values())} queries took {embed_s:.1f} s (cached for later runs).")
                    + "\n")
-        out.append(markdown_table(["means", "covariance", "AUROC", "FPR at 95% TPR", "fit s"],
-                                  [[r["means"], r["covariance"], f"{r['auroc']:.4f}", f"{r['fpr95']:.4f}",
-                                    f"{r['fit_s']:.2f}"] for r in clinc_rows]))
+        out.append("AUROC, FPR at 95% TPR (out-of-scope queries accepted at the first threshold that accepts 95% "
+                   "of the in-scope ones) and AUPR (out-of-scope positive) from `torch_kernels.ood.evaluate`, "
+                   "equal to scikit-learn's.\n")
+        out.append(markdown_table(["scorer", "labels", "configuration", "AUROC", "FPR at 95% TPR", "AUPR", "fit s"],
+                                  [[r["scorer"], r["labels"], r["config"], f"{r['auroc']:.4f}", f"{r['fpr95']:.4f}",
+                                    f"{r['aupr']:.4f}", f"{r['fit_s']:.2f}"] for r in clinc_rows]))
+        for statistic in ("denoise", "scoped"):
+            aurocs = [r["auroc"] for r in clinc_rows if r["scorer"] == f"EDM {statistic}"]
+            if aurocs:
+                out.append(f"\nEDM {statistic}, label-free: AUROC mean {np.mean(aurocs):.4f} over {len(aurocs)} "
+                           f"seed(s) (min {min(aurocs):.4f}, max {max(aurocs):.4f}).")
     report = "\n".join(out) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     (RESULTS / f"ood{suffix}.md").write_text(report)
     (RESULTS / f"ood{suffix}.json").write_text(json.dumps(
-        {"throughput": rows, "fit": fit_rows, "mechanism": mech_rows, "clinc150": clinc_rows, "checks": checks}, indent=1))
+        {"throughput": rows, "fit": fit_rows, "edm_fit": edm_fit_rows, "mechanism": mech_rows, "clinc150": clinc_rows,
+         "checks": checks, "load_average": [load_at_start, os.getloadavg()[0]]}, indent=1))
     plot(rows, dims, batch_sizes, mech_rows, RESULTS / f"ood{suffix}.png")
     print(report)
     print(f"written: {RESULTS}/ood{suffix}.md, .json, .png")

@@ -358,6 +358,98 @@ OOD = [
 ]
 
 
+# ---- edm (the EDM scorer, its op and evaluate) ----
+
+def _edm_inputs() -> dict:
+    """A good edm_score call: B = 3, D = 4, H = 5, K = 1, L = 2."""
+    gen = torch.Generator().manual_seed(0)
+    b, d, h, k, levels = 3, 4, 5, 1, 2
+    shapes = {"mean": (d,), "inv_scale": (d,), "noise": (levels, d), "level_weights": (levels,),
+              "level_bias": (levels, h), "w_in": (d, h), "w1": (k, h, h), "b1": (k, h), "w2": (k, h, h),
+              "b2": (k, h), "w_out": (h, d), "b_out": (d,)}
+    kw = {name: torch.randn(*shape, generator=gen) for name, shape in shapes.items()}
+    return dict(x=torch.randn(b, d, generator=gen), **kw, sigmas=[0.5, 1.5], sigma_data=1.0)
+
+
+def _edm_score(change) -> Callable[[str], object]:
+    def call(backend):
+        kw = _edm_inputs()
+        change(kw)
+        return torch_kernels.edm_score(**kw, implementation=backend)
+    return call
+
+
+def _edm_scorer(method: str, *args, fit=True, **kwargs) -> Callable[[str], object]:
+    """Call ``EDMScorer()`` method ``method`` (``__init__`` for the constructor; a fit of two steps
+    first unless ``fit=False``), scoring on ``backend``."""
+    from torch_kernels.ood import EDMScorer
+
+    def call(backend):
+        if method == "__init__":
+            return EDMScorer(*args, **kwargs)
+        scorer = EDMScorer(width=8, depth=1, levels=2)
+        if fit:
+            scorer.fit(_features(), steps=2, progress=False)
+        with torch_kernels.use_backend(backend):
+            return getattr(scorer, method)(*args, **kwargs)
+    return call
+
+
+def _evaluate(id_scores, ood_scores) -> Callable[[str], object]:
+    def call(backend):
+        from torch_kernels.ood import ood_metrics
+        return ood_metrics(id_scores, ood_scores)
+    return call
+
+
+EDM = [
+    ("x 1-D", "x", ValueError, _edm_score(_map("x", lambda t: t[0]))),
+    ("x int", "x", TypeError, _edm_score(_map("x", lambda t: t.int()))),
+    ("x not a tensor", "x", TypeError, _edm_score(_map("x", lambda t: t.numpy()))),
+    ("no features", "x", ValueError, _edm_score(_map("x", lambda t: t[:, :0]))),
+    ("mean features", "mean", ValueError, _edm_score(_map("mean", lambda t: t[:3]))),
+    ("noise levels", "noise", ValueError, _edm_score(_map("noise", lambda t: t[:1]))),
+    ("level_bias width", "level_bias", ValueError, _edm_score(_map("level_bias", lambda t: t[:, :4]))),
+    ("w1 not square", "w1", ValueError, _edm_score(_map("w1", lambda t: t[:, :, :4]))),
+    ("b2 blocks", "b2", ValueError, _edm_score(_map("b2", lambda t: torch.cat([t, t])))),
+    ("w_out 1-D", "w_out", ValueError, _edm_score(_map("w_out", lambda t: t[0]))),
+    ("w_in float64 for float32 x", "w_in", TypeError, _edm_score(_map("w_in", lambda t: t.double()))),
+    ("w_in no hidden width", "w_in", ValueError, _edm_score(_map("w_in", lambda t: t[:, :0]))),
+    ("w2 on meta", "w2", ValueError, _edm_score(_map("w2", lambda t: t.to("meta")))),
+    ("sigmas empty", "sigmas", ValueError, _edm_score(_set("sigmas", []))),
+    ("sigma 0", "sigmas", ValueError, _edm_score(_set("sigmas", [0.0, 1.0]))),
+    ("sigma nan", "sigmas", ValueError, _edm_score(_set("sigmas", [0.5, math.nan]))),
+    ("sigmas a string", "sigmas", TypeError, _edm_score(_set("sigmas", "0.5"))),
+    ("sigma_data negative", "sigma_data", ValueError, _edm_score(_set("sigma_data", -1.0))),
+    ("statistic unknown", "statistic", ValueError, _edm_score(_set("statistic", "likelihood"))),
+    ("width 0", "width", ValueError, _edm_scorer("__init__", width=0)),
+    ("depth negative", "depth", ValueError, _edm_scorer("__init__", depth=-1)),
+    ("levels 2.5", "levels", TypeError, _edm_scorer("__init__", levels=2.5)),
+    ("sigma_min 0", "sigma_min", ValueError, _edm_scorer("__init__", sigma_min=0.0)),
+    ("sigma_max below sigma_min", "sigma_max", ValueError, _edm_scorer("__init__", sigma_min=1.0, sigma_max=0.5)),
+    ("scorer statistic unknown", "statistic", ValueError, _edm_scorer("__init__", statistic="likelihood")),
+    ("fit NaN", "features", ValueError, _edm_scorer("fit", _nan_row(_features()), fit=False)),
+    ("fit one row", "features", ValueError, _edm_scorer("fit", _features()[:1], fit=False)),
+    ("fit int features", "features", TypeError, _edm_scorer("fit", torch.ones(5, 2, dtype=torch.int64), fit=False)),
+    ("fit batches of other widths", "features", ValueError,
+     _edm_scorer("fit", [_features(), _features(d=3)], fit=False)),
+    ("fit constant features", "features", ValueError, _edm_scorer("fit", torch.ones(10, 3), fit=False)),
+    ("fit steps 0", "steps", ValueError, _edm_scorer("fit", _features(), steps=0, fit=False)),
+    ("fit steps and epochs", "steps", ValueError, _edm_scorer("fit", _features(), steps=5, epochs=1, fit=False)),
+    ("fit batch_size 0", "batch_size", ValueError, _edm_scorer("fit", _features(), batch_size=0, fit=False)),
+    ("fit lr negative", "lr", ValueError, _edm_scorer("fit", _features(), lr=-1e-3, fit=False)),
+    ("fit ema 1", "ema", ValueError, _edm_scorer("fit", _features(), ema=1.0, fit=False)),
+    ("score before fit", "EDMScorer", RuntimeError, _edm_scorer("score", _features(), fit=False)),
+    ("score statistic unknown", "statistic", ValueError, _edm_scorer("score", _features(), "likelihood")),
+    ("threshold tpr 0", "tpr", ValueError, _edm_scorer("threshold", _features(), tpr=0.0)),
+    ("evaluate no OOD scores", "ood_scores", ValueError, _evaluate(torch.randn(5), torch.randn(0))),
+    ("evaluate NaN score", "id_scores", ValueError, _evaluate(torch.tensor([0.0, math.nan]), torch.randn(3))),
+    ("evaluate a scorer without score", "scorer", TypeError,
+     lambda backend: __import__("torch_kernels.ood", fromlist=["evaluate"]).evaluate(object(), torch.randn(2, 3),
+                                                                                      torch.randn(2, 3))),
+]
+
+
 # ---- serving ----
 
 def _engine(*, generate=None, **kwargs) -> Callable[[str], object]:
@@ -488,6 +580,8 @@ def table(family: str) -> list[Row]:
         return [Row(f"{op}: {c}", a, e, _linear(op, ch)) for c, ops, a, e, ch in LINEAR for op in ops]
     if family == "ood":
         return [Row(*row) for row in OOD]
+    if family == "edm":
+        return [Row(*row) for row in EDM]
     if family == "serving":
         return [Row(*row) for row in SERVING]
     if family == "moe":
@@ -495,7 +589,7 @@ def table(family: str) -> list[Row]:
     raise ValueError(f"family: unknown {family!r}")
 
 
-FAMILIES = ("paged_attention", "linear_attention", "ood", "serving", "moe")
+FAMILIES = ("paged_attention", "linear_attention", "ood", "edm", "serving", "moe")
 
 
 def run(family: str, backend: str) -> list[tuple[str, str, str]]:

@@ -50,6 +50,16 @@ def test_sycl_ood_builds_spirv():
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 
 
+def test_sycl_edm_builds_spirv():
+    require_backend("sycl")
+    from oneapi_impl import ood
+
+    binaries = ood.edm_spirv_binaries()
+    assert len(binaries) == 8  # four x dtypes, two statistics
+    for spv in binaries:
+        assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
+
+
 def test_sycl_linear_attention_builds_spirv():
     require_backend("sycl")
     from oneapi_impl import linear_attention
@@ -168,6 +178,10 @@ def ood_builds(dtypes) -> list[Build]:
             signature, constexprs, num_warps = ood.compile_targets(dtype, classes)
             builds.append(Build(f"mahalanobis_min {_name(dtype)} C={classes}", ood.mahalanobis_min_kernel, signature,
                                 constexprs, num_warps, None, True))
+        for scoped in (False, True):
+            signature, constexprs, config = ood.edm_compile_targets(dtype, scoped)
+            builds.append(Build(f"edm_score {_name(dtype)} {'scoped' if scoped else 'denoise'} H=512",
+                                ood.edm_score_kernel, signature, constexprs, config.num_warps, config.num_stages, True))
     return builds
 
 

@@ -8,7 +8,7 @@ first use and report themselves unavailable, with the reason, when those are mis
 
 from . import backends
 from .backends import available_backends, unavailable_reasons, use_backend
-from .ops.ood import mahalanobis_score
+from .ops.ood import edm_score, mahalanobis_score
 from .ops.linear_attention import chunk_gated_delta_rule, chunk_simple_gla, fused_recurrent_gated_delta_rule
 from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
 from .ops.moe import MoEHandle, fused_moe, grouped_mm, moe_combine, moe_dispatch, router_topk
@@ -33,6 +33,7 @@ __all__ = [
     "unavailable_reasons",
     "use_backend",
     "mahalanobis_score",
+    "edm_score",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "chunk_simple_gla",

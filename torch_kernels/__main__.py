@@ -1,4 +1,4 @@
-"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``serve`` | ``bench [args]``."""
+"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``serve`` | ``goodput`` | ``bench [args]``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def main(argv=None) -> int:
     serve = sub.add_parser("serve", help="chat with SmolLM2 through the paged-attention serving loop")
     serve.add_argument("--backend", default=None, help="backend of the attention ops (default: by device)")
     serve.add_argument("--max-new-tokens", type=int, default=48)
+    goodput = sub.add_parser("goodput", help="an OOD gate in the serving loop: CLINC150 prompts to SmolLM2, tokens "
+                                              "saved and AUROC (Markdown, JSON, PNG)")
+    size = goodput.add_mutually_exclusive_group()
+    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiny, for CI")
+    size.add_argument("--full", dest="mode", action="store_const", const="full", help="all of CLINC150")
+    goodput.set_defaults(mode="default")
+    goodput.add_argument("--out", type=pathlib.Path, default=None,
+                         help="output folder (default: benchmarks/results of a source checkout, else .)")
+    goodput.add_argument("--layer", type=int, default=None,
+                         help="hidden state the gate reads (default: torch_kernels.goodput.LAYER)")
+    goodput.add_argument("--pooling", choices=("mean", "last"), default=None,
+                         help="over the prompt's tokens (default: torch_kernels.goodput.POOLING)")
+    goodput.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -28,6 +41,10 @@ def main(argv=None) -> int:
         return demo()
     if args.command == "serve":
         return serve_demo(args.backend, args.max_new_tokens)
+    if args.command == "goodput":
+        from . import goodput
+
+        return goodput.main(args.mode, args.out, args.layer, args.pooling, args.threads)
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
         print(f"bench: {runner} not found; the benchmarks ship with the source checkout", file=sys.stderr)

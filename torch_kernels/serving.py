@@ -19,6 +19,10 @@ How one :meth:`Engine.step` works:
 4. Every sequence whose scheduled tokens reached its end gets its next token by greedy argmax.
    One that hits ``max_new_tokens`` or the end-of-sequence token finishes and returns its
    blocks to the free list, for the next admitted request to reuse.
+5. With an ``ood_gate``, the forward pass also hands back the hidden states at the gate's layer:
+   each prompt's pooled feature accumulates over its prefill chunks, and the prompts whose
+   prefill ended in this step are scored together; a refused one finishes before its first
+   token (:mod:`torch_kernels.ood.gate`).
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import numbers
+import time
 from typing import Sequence
 
 import torch
 from torch import nn
 
 import torch_kernels
+from torch_kernels.ood.features import normalize_layer
+from torch_kernels.ood.gate import OODGate
 
 __all__ = ["PagedKVCache", "PagedLlama", "Request", "StepStats", "Engine"]
 
@@ -90,13 +97,24 @@ class PagedLlama(nn.Module):
         return PagedKVCache(len(self.model.model.layers), num_blocks, block_size, self.num_kv_heads,
                             self.head_size, weight.dtype, weight.device)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
     def forward(self, cache: PagedKVCache, input_ids, positions, cu_q_lens, kv_lens, block_table, slot_mapping,
-                logit_rows, fused_write: bool = True) -> torch.Tensor:
-        """Logits ``[len(logit_rows), vocab]`` of the given rows of the ragged batch ``input_ids [T]``."""
+                logit_rows, fused_write: bool = True, hidden_layer: int | None = None):
+        """Logits ``[len(logit_rows), vocab]`` of the given rows of the ragged batch ``input_ids [T]``.
+
+        With ``hidden_layer`` (in ``0..num_layers``), also the hidden states ``[T, hidden]`` there,
+        indexed as transformers' ``output_hidden_states``: the input of layer ``hidden_layer``, or
+        after the final norm for ``num_layers``; returns ``(logits, hidden_states)``.
+        """
         inner, t = self.model.model, input_ids.shape[0]
         hidden = inner.embed_tokens(input_ids)
         cos, sin = (x[0, :, None] for x in inner.rotary_emb(hidden[None], positions[None]))  # [T, 1, D]
         for i, layer in enumerate(inner.layers):
+            if i == hidden_layer:
+                captured = hidden
             attn, x = layer.self_attn, layer.input_layernorm(hidden)
             q = attn.q_proj(x).view(t, self.num_heads, self.head_size)
             k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
@@ -112,7 +130,10 @@ class PagedLlama(nn.Module):
                 out = torch_kernels.ragged_paged_attention(q, *args, implementation=self.implementation)
             hidden = hidden + attn.o_proj(out.reshape(t, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(inner.norm(hidden[logit_rows]))
+        logits = self.model.lm_head(inner.norm(hidden[logit_rows]))
+        if hidden_layer is None:
+            return logits
+        return logits, inner.norm(hidden) if hidden_layer == len(inner.layers) else captured
 
 
 @dataclasses.dataclass
@@ -126,6 +147,10 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # tokens whose keys and values are in the cache
     finished: bool = False
+    refused: bool = False  # by the engine's OOD gate, after prefill and before any generated token
+    ood_score: float | None = None  # the gate's score of the prompt
+    # the gate's running sum of the prompt's hidden states, over its prefill chunks (mean pooling)
+    hidden_sum: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -142,11 +167,19 @@ class Request:
 
 @dataclasses.dataclass
 class StepStats:
-    """What one step ran: prompt tokens, decode tokens, and how many sequences they came from."""
+    """What one step ran: prompt tokens, decode tokens, how many sequences they came from, and
+    the forward pass's wall time. With an OOD gate also: the gate's wall time (pooling and
+    scoring), how many prompts it scored and the ids of those it refused; ``decode_tokens_saved``
+    is filled by :func:`torch_kernels.ood.record_tokens_saved` from a run without the gate."""
 
     prefill_tokens: int
     decode_tokens: int
     seqs: int
+    forward_s: float = 0.0
+    gate_s: float = 0.0
+    gated: int = 0
+    refused_ids: tuple[int, ...] = ()
+    decode_tokens_saved: int | None = None
 
 
 class Engine:
@@ -156,17 +189,22 @@ class Engine:
     ``max_batched_tokens`` tokens of at most ``max_seqs`` sequences. ``eos_token_id`` defaults to
     the model's generation config; ``implementation`` picks the attention ops' backend;
     ``fused_write=False`` writes the cache with ``reshape_and_cache`` before each attention call
-    instead of inside it.
+    instead of inside it. ``ood_gate`` (a :class:`torch_kernels.ood.OODGate`) scores each prompt
+    when its prefill ends and refuses those over its threshold (see :mod:`torch_kernels.ood.gate`).
     """
 
     def __init__(self, model: nn.Module, num_blocks: int = 256, block_size: int = 16, max_batched_tokens: int = 256,
                  max_seqs: int = 16, eos_token_id: int | Sequence[int] | None = None,
                  implementation: str | Sequence[str] | None = None,
-                 fused_write: bool = True):
+                 fused_write: bool = True, ood_gate: OODGate | None = None):
         for name, n in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("max_batched_tokens", max_batched_tokens), ("max_seqs", max_seqs)):
             _check_count(name, n)  # a zero budget would schedule nothing, forever
+        if ood_gate is not None and not isinstance(ood_gate, OODGate):
+            raise TypeError(f"ood_gate: expected a torch_kernels.ood.OODGate or None, got {type(ood_gate).__name__}")
         self.runner = PagedLlama(model, implementation)
+        self.ood_gate = ood_gate
+        self._gate_layer = None if ood_gate is None else normalize_layer(ood_gate.layer, self.runner.num_layers)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.cache = self.runner.make_cache(num_blocks, block_size)
         self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write
@@ -262,33 +300,71 @@ class Engine:
         table = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chunks]  # pad ids are never read
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         sampling = [j for j, (seq, n) in enumerate(chunks) if seq.num_cached + n == len(seq.tokens)]
+        gate_s, gated, refused = 0.0, 0, ()
         try:
-            logits = self.runner(
+            start = time.perf_counter()
+            out = self.runner(
                 self.cache, torch.tensor(ids, **i64), torch.tensor(positions, **i64),
                 torch.tensor([0, *q_lens], **i32).cumsum(0, dtype=torch.int32), torch.tensor(kv_lens, **i32),
                 torch.tensor(table, **i32), torch.tensor(slots, **i64),
                 torch.tensor([rows[j] for j in sampling], **i64), fused_write=self.fused_write,
+                hidden_layer=self._gate_layer,
             )
+            logits = out if self.ood_gate is None else out[0]
             next_tokens = logits.argmax(dim=-1).tolist()
+            forward_s = time.perf_counter() - start
+            if self.ood_gate is not None and any(seq.in_prefill for seq, _ in chunks):
+                start = time.perf_counter()
+                gated, refused = self._gate(chunks, rows, out[1])
+                gate_s = time.perf_counter() - start
         except BaseException:
             # the step's sequences may have half-written caches: none of them can go on
             for seq, _ in chunks:
                 self.abort(seq)
             raise
         decode = sum(n for seq, n in chunks if not seq.in_prefill)
-        self.stats.append(StepStats(prefill_tokens=len(ids) - decode, decode_tokens=decode, seqs=len(chunks)))
+        self.stats.append(StepStats(prefill_tokens=len(ids) - decode, decode_tokens=decode, seqs=len(chunks),
+                                    forward_s=forward_s, gate_s=gate_s, gated=gated, refused_ids=refused))
         for seq, n in chunks:
             seq.num_cached += n
         finished = []
         for j, token in zip(sampling, next_tokens):
             seq = chunks[j][0]
-            seq.output.append(token)
-            if len(seq.output) == seq.max_new_tokens or token in self.eos_token_ids:
+            if not seq.refused:
+                seq.output.append(token)
+            if seq.refused or len(seq.output) == seq.max_new_tokens or token in self.eos_token_ids:
                 seq.finished = True
                 self.cache.release(seq.blocks)
                 self.running.remove(seq)
                 finished.append(seq)
         return finished
+
+    def _gate(self, chunks: list[tuple[Request, int]], rows: list[int], hidden: torch.Tensor) -> tuple[int, tuple]:
+        """Pool the prefill chunks' rows of ``hidden [T, H]`` (the gate's layer) into their requests,
+        score every prompt whose prefill ends in this step in one call, and mark the refused ones;
+        ``(prompts scored, ids refused)``. ``rows[j]`` is chunk ``j``'s last row in the batch."""
+        gate = self.ood_gate
+        prefill = [(j, seq, n) for j, (seq, n) in enumerate(chunks) if seq.in_prefill]
+        if gate.pooling == "mean" and prefill:
+            # one index_add sums every prefill chunk's rows into its own row of chunk_sums
+            row_ids = torch.cat([torch.arange(rows[j] - n + 1, rows[j] + 1) for j, _, n in prefill])
+            owner = torch.cat([torch.full((n,), k) for k, (_, _, n) in enumerate(prefill)])
+            chunk_sums = torch.zeros(len(prefill), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            chunk_sums.index_add_(0, owner.to(hidden.device), hidden[row_ids.to(hidden.device)].float())
+            for k, (_, seq, _) in enumerate(prefill):
+                seq.hidden_sum = chunk_sums[k] if seq.hidden_sum is None else seq.hidden_sum + chunk_sums[k]
+        ending = [(j, seq) for j, seq, n in prefill if seq.num_cached + n == len(seq.prompt)]
+        if not ending:
+            return 0, ()
+        if gate.pooling == "mean":
+            features = torch.stack([seq.hidden_sum / len(seq.prompt) for _, seq in ending])
+            for _, seq in ending:
+                seq.hidden_sum = None
+        else:
+            features = hidden[[rows[j] for j, _ in ending]].float()
+        for (_, seq), score in zip(ending, gate.score(features)):
+            seq.ood_score, seq.refused = score, gate.refuses(score)
+        return len(ending), tuple(seq.id for _, seq in ending if seq.refused)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
         """Greedy continuations of ``prompts`` (token ids), served together; each includes its eos."""

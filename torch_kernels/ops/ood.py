@@ -1,7 +1,9 @@
-"""``torch_kernels::mahalanobis_score``: the op, its fake, autograd, FLOP formula and wrapper."""
+"""The ood family's ops, ``torch_kernels::mahalanobis_score`` and ``torch_kernels::edm_score``: their
+schemas, fakes, autograd, FLOP and byte formulas and wrappers."""
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -196,3 +198,261 @@ def mahalanobis_score(
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     return mahalanobis_score_op(x, means, whitener, backends.implementation_arg(implementation))
+
+
+# ---- edm_score ----
+
+EDM_OP = "edm_score"
+
+backends.register(EDM_OP, "reference", reference.edm_score_levels)
+backends.register(EDM_OP, "triton", "triton_impl.ood:edm_score_levels")
+backends.register(EDM_OP, "pallas", "torch_kernels._jax_interop:pallas_edm_score_levels")
+backends.register(EDM_OP, "sycl", "oneapi_impl.ood:edm_score_levels")
+
+# the op's tensor arguments after x, in schema order, and the shape of each ("K" blocks, "L" levels,
+# "H" hidden width, "D" features)
+EDM_TENSORS = ("mean", "inv_scale", "noise", "level_weights", "level_bias", "w_in", "w1", "b1", "w2", "b2",
+               "w_out", "b_out")
+_EDM_SHAPES = {"mean": ("D",), "inv_scale": ("D",), "noise": ("L", "D"), "level_weights": ("L",),
+               "level_bias": ("L", "H"), "w_in": ("D", "H"), "w1": ("K", "H", "H"), "b1": ("K", "H"),
+               "w2": ("K", "H", "H"), "b2": ("K", "H"), "w_out": ("H", "D"), "b_out": ("D",)}
+_EDM_SIZE_NAMES = {"D": "features D of x", "L": "noise levels L, len(sigmas)", "H": "hidden width H of w_in",
+                   "K": "blocks K of w1"}
+
+
+def _check_positive(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"{name}: expected a finite float > 0, got {value!r}")
+    return float(value)
+
+
+def check_edm_inputs(x, params, sigmas, sigma_data, statistic) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit ``edm_score``.
+
+    ``params`` holds the tensors named in ``EDM_TENSORS``, in that order.
+    """
+    _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    if x.shape[1] == 0:
+        raise ValueError("x: expected at least one feature, got shape (B, 0)")
+    if statistic not in reference.EDM_STATISTICS:
+        raise ValueError(f"statistic: expected one of {reference.EDM_STATISTICS}, got {statistic!r}")
+    if not isinstance(sigmas, (list, tuple)) or not sigmas:
+        raise ValueError(f"sigmas: expected a non-empty list of noise levels, got {sigmas!r}")
+    for sigma in sigmas:
+        _check_positive("sigmas", sigma)
+    _check_positive("sigma_data", sigma_data)
+    param_dtypes = _PARAM_DTYPES[x.dtype]
+    w1 = params[EDM_TENSORS.index("w1")]
+    w_in = params[EDM_TENSORS.index("w_in")]
+    for name, t in zip(EDM_TENSORS, params):
+        _checks.tensor(name, t, ndim=len(_EDM_SHAPES[name]), dtypes=param_dtypes)
+    sizes = {"D": x.shape[1], "L": len(sigmas), "H": w_in.shape[1], "K": w1.shape[0]}
+    if sizes["H"] == 0:
+        raise ValueError("w_in: expected a hidden width H of at least 1, got shape (D, 0)")
+    for name, t in zip(EDM_TENSORS, params):
+        for dim, (size_name, got) in enumerate(zip(_EDM_SHAPES[name], t.shape)):
+            _checks.size(name, dim, got, sizes[size_name], _EDM_SIZE_NAMES[size_name])
+    _checks.same_device(x=x, **dict(zip(EDM_TENSORS, params)))
+
+
+@functools.lru_cache(maxsize=64)
+def _level_coefficients(sigmas: tuple, sigma_data: float, dtype: torch.dtype, device: torch.device):
+    # one small table per grid, shared by every call (made outside inference mode, as _zero_class_terms)
+    with torch.inference_mode(False):
+        return reference.edm_level_coefficients(torch.tensor(sigmas, dtype=torch.float64), sigma_data,
+                                                dtype).to(device)
+
+
+def _edm_levels(x, params, sigmas, sigma_data, statistic, implementation):
+    """Scores from the chosen backend's fused kernel."""
+    dtype = reference.compute_dtype(x.dtype)
+    if x.shape[0] == 0:
+        return x.new_empty(0, dtype=dtype)
+    # kernels take plain, dense row-major tensors in the compute dtype (x keeps its own)
+    params = [reference.as_dtype(t.detach(), dtype).contiguous() for t in params]
+    coefficients = _level_coefficients(tuple(sigmas), sigma_data, dtype, x.device)
+    return backends.dispatch(EDM_OP, "cpu" if x.is_cpu else x.device.type, implementation,
+                             x.detach().contiguous(), *params[:2], coefficients, *params[2:], statistic == "scoped")
+
+
+def _edm_kernel(x, *args, **kwargs):
+    *params, sigmas, sigma_data, statistic, implementation = _edm_arguments(args, kwargs)
+    check_edm_inputs(x, params, sigmas, sigma_data, statistic)
+    return _edm_levels(x, params, sigmas, sigma_data, statistic, implementation)
+
+
+def _edm_fake(x, *args, **kwargs):
+    *params, sigmas, sigma_data, statistic, _ = _edm_arguments(args, kwargs)
+    check_edm_inputs(x, params, sigmas, sigma_data, statistic)
+    return x.new_empty(x.shape[0], dtype=reference.compute_dtype(x.dtype))
+
+
+def _edm_arguments(args, kwargs=None) -> list:
+    """The arguments after x, positional or by keyword, with the defaults (statistic, implementation) filled in."""
+    names = (*EDM_TENSORS, "sigmas", "sigma_data", "statistic", "implementation")
+    given = dict(zip(names, args), **(kwargs or {}))
+    return [given.get(name, {"statistic": "denoise"}.get(name)) for name in names]
+
+
+def _edm_gradients(grad, x, params, sigmas, sigma_data, statistic):
+    """d score / d (x, *params): reverse mode of the reference math written out in torch ops
+    (``reference.edm_score_levels_backward``; differentiable again, for higher orders)."""
+    dtype = reference.compute_dtype(x.dtype)
+    coefficients = _level_coefficients(tuple(sigmas), sigma_data, dtype, x.device)
+    cast = [reference.as_dtype(t, dtype) for t in params]
+    grads = reference.edm_score_levels_backward(grad, x, *cast[:2], coefficients, *cast[2:], statistic == "scoped")
+    return [g.to(t.dtype) for g, t in zip(grads, (x, *params))]
+
+
+def _check_edm_grad(grad, x) -> None:
+    _checks.tensor("grad", grad, ndim=1, dtypes=_checks.FLOAT_DTYPES)
+    _checks.size("grad", 0, grad.shape[0], x.shape[0], "rows B of x")
+
+
+def _edm_backward_kernel(grad, x, *args, **kwargs):
+    *params, sigmas, sigma_data, statistic, _ = _edm_arguments(args, kwargs)
+    check_edm_inputs(x, params, sigmas, sigma_data, statistic)
+    _check_edm_grad(grad, x)
+    return tuple(g.contiguous() for g in _edm_gradients(grad, x, params, sigmas, sigma_data, statistic))
+
+
+def _edm_backward_fake(grad, x, *args, **kwargs):
+    *params, sigmas, sigma_data, statistic, _ = _edm_arguments(args, kwargs)
+    check_edm_inputs(x, params, sigmas, sigma_data, statistic)
+    _check_edm_grad(grad, x)
+    return tuple(t.new_empty(t.shape) for t in (x, *params))
+
+
+_EDM_SIGNATURE = ("Tensor x, " + ", ".join(f"Tensor {name}" for name in EDM_TENSORS)
+                  + ", float[] sigmas, float sigma_data, str statistic=\"denoise\", str? implementation=None")
+
+edm_score_backward = define(
+    f"edm_score_backward(Tensor grad, {_EDM_SIGNATURE}) -> ({', '.join(['Tensor'] * (len(EDM_TENSORS) + 1))})",
+    _edm_backward_kernel,
+    _edm_backward_fake,
+)
+
+
+def _edm_setup_context(ctx, inputs, output):
+    x, *rest = inputs
+    *params, sigmas, sigma_data, statistic, implementation = _edm_arguments(rest)
+    ctx.save_for_backward(x, *params)
+    ctx.grid = (list(sigmas), sigma_data, statistic)
+    ctx.num_tensors = 1 + len(params)
+
+
+def _edm_backward(ctx, grad):
+    x, *params = ctx.saved_tensors
+    sigmas, sigma_data, statistic = ctx.grid
+    if torch.is_grad_enabled():  # create_graph=True: gradients from differentiable ops
+        grads = _edm_gradients(grad, x, params, sigmas, sigma_data, statistic)
+    else:
+        grads = edm_score_backward(grad, x, *params, sigmas, sigma_data, statistic)
+    grads = [g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)]
+    return (*grads, *([None] * (len(ctx.needs_input_grad) - len(grads))))
+
+
+edm_score_op = define(
+    f"edm_score({_EDM_SIGNATURE}) -> Tensor",
+    _edm_kernel,
+    _edm_fake,
+    setup_context=_edm_setup_context,
+    backward=_edm_backward,
+)
+
+
+def edm_score_flops(b: int, d: int, h: int, k: int, levels: int, scoped: bool) -> int:
+    """The GEMMs of the denoiser at every level: ``B L (2DH + 4KH^2 + 2HD)``, twice that for
+    ``"scoped"`` (the tangent goes through the same GEMMs). Elementwise work is not counted."""
+    return b * levels * (4 * d * h + 4 * k * h * h) * (2 if scoped else 1)
+
+
+def edm_score_bytes(b: int, d: int, h: int, k: int, levels: int, x_itemsize: int, param_itemsize: int) -> int:
+    """What one call must move at least: x, the weights, the noise and the level terms in, scores out."""
+    params = 2 * d * h + 2 * k * h * h + 2 * k * h + levels * (d + h + 1) + 3 * d
+    return b * d * x_itemsize + params * param_itemsize + b * 4
+
+
+def _edm_sizes(x_shape, w_in_shape, w1_shape, sigmas):
+    return x_shape[0], x_shape[1], w_in_shape[1], w1_shape[0], len(sigmas)
+
+
+@register_flop_formula(edm_score_op.overloadpacket)
+def _edm_flop_formula(x_shape, *args, **kwargs) -> int:
+    shapes = dict(zip(EDM_TENSORS, args))
+    rest = _edm_arguments(args, kwargs)[len(EDM_TENSORS):]
+    return edm_score_flops(*_edm_sizes(x_shape, shapes["w_in"], shapes["w1"], rest[0]), rest[2] == "scoped")
+
+
+@register_flop_formula(edm_score_backward.overloadpacket)
+def _edm_backward_flop_formula(grad_shape, x_shape, *args, **kwargs) -> int:
+    # reverse mode costs about twice the forward, after the forward it recomputes
+    shapes = dict(zip(EDM_TENSORS, args))
+    rest = _edm_arguments(args, kwargs)[len(EDM_TENSORS):]
+    return 3 * edm_score_flops(*_edm_sizes(x_shape, shapes["w_in"], shapes["w1"], rest[0]), rest[2] == "scoped")
+
+
+def edm_score(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    inv_scale: torch.Tensor,
+    noise: torch.Tensor,
+    level_weights: torch.Tensor,
+    level_bias: torch.Tensor,
+    w_in: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor,
+    sigmas: Sequence[float],
+    sigma_data: float,
+    statistic: str = "denoise",
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor:
+    """EDM diffusion score of each row of ``x``: the denoiser at every noise level, summed per row.
+
+    ``torch_kernels.ood.EDMScorer`` fits every argument; its ``score`` calls this op. With
+    ``y = (x - mean) * inv_scale``, ``c_skip, c_out, c_in`` EDM's preconditioning at
+    ``sigmas[l]`` and ``sigma_data``, and ``F`` the residual MLP
+    (``torch_kernels.reference.ood.edm_mlp``: ``h = u @ w_in + level_bias[l]``, ``K`` blocks
+    ``h += silu(silu(h) @ w1[k] + b1[k]) @ w2[k] + b2[k]``, ``F = silu(h) @ w_out + b_out``), the
+    denoiser at level ``l`` is ``D_l(v) = c_skip v + c_out F(c_in v)`` and
+
+    - ``statistic="denoise"``: ``score = sum_l level_weights[l] ||D_l(y + sigmas[l] noise[l]) - y||^2``;
+    - ``statistic="scoped"``: ``score = sum_l level_weights[l] (||D_l(y) - y||^2 / sigmas[l]^2
+      + noise[l] . J_{D_l}(y) noise[l] - ||noise[l]||^2)``: ``sigma^2 (||s||^2 + div s)`` of the
+      score function ``s = (D_l(y) - y) / sigma^2``, the divergence by Hutchinson's estimator with
+      the probe ``noise[l]`` (one Jacobian-vector product per level, carried through the MLP).
+
+    Args:
+        x: ``[B, D]`` features, float16, bfloat16, float32 or float64.
+        mean, inv_scale: ``[D]`` standardization; noise ``[L, D]``; level_weights ``[L]``;
+            level_bias ``[L, H]`` (the input bias plus each level's noise embedding); w_in
+            ``[D, H]``; w1, w2 ``[K, H, H]``; b1, b2 ``[K, H]`` (``K >= 0``); w_out ``[H, D]``;
+            b_out ``[D]``: float32, or x's dtype.
+        sigmas: the ``L`` noise levels (floats > 0); sigma_data: the data's standard deviation.
+        implementation: a backend name or ordered list (``"reference"``, ``"triton"``,
+            ``"pallas"``, ``"sycl"``); ``None`` chooses by device.
+
+    Returns:
+        ``[B]`` scores, float32 (float64 for float64 ``x``), each backend one fused kernel over
+        all levels. Differentiable in every tensor (the backward is the vector-Jacobian product
+        of the reference math, higher orders too).
+    """
+    for name, value in (("x", x), *zip(EDM_TENSORS, (mean, inv_scale, noise, level_weights, level_bias, w_in,
+                                                       w1, b1, w2, b2, w_out, b_out))):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if not isinstance(statistic, str):
+        raise TypeError(f"statistic: expected one of {reference.EDM_STATISTICS}, got {type(statistic).__name__}")
+    if isinstance(sigmas, torch.Tensor):
+        sigmas = sigmas.tolist()
+    if not isinstance(sigmas, (list, tuple)):
+        raise TypeError(f"sigmas: expected a list of floats, got {type(sigmas).__name__}")
+    return edm_score_op(x, mean, inv_scale, noise, level_weights, level_bias, w_in, w1, b1, w2, b2, w_out, b_out,
+                        [float(s) if isinstance(s, int) and not isinstance(s, bool) else s for s in sigmas],
+                        sigma_data, statistic, backends.implementation_arg(implementation))

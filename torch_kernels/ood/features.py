@@ -1,0 +1,199 @@
+"""Pooled hidden states of a transformers model: the frozen features the OOD scorers fit and score.
+
+>>> features = extract_features(model, tokenizer, ["book a flight to Paris", ...], layer=15, pooling="mean")
+
+``layer`` indexes the hidden states as transformers returns them with ``output_hidden_states=True``:
+``0`` is the embedding output (the first layer's input), ``i`` the output of layer ``i`` (the input
+of layer ``i + 1``), and the last, ``num_hidden_layers`` or ``-1``, the model's
+``last_hidden_state`` (after the final norm in a causal LM). The forward stops at the requested
+layer, so an early layer costs only the layers before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+import os
+import pathlib
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["extract_features", "POOLINGS", "normalize_layer"]
+
+POOLINGS = ("mean", "last")
+
+
+def normalize_layer(layer, num_layers: int) -> int:
+    """``layer`` as an index in ``0..num_layers`` (negative counts from the end), checked."""
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+        raise TypeError(f"layer: expected an int, got {type(layer).__name__} {layer!r}")
+    if not -(num_layers + 1) <= layer <= num_layers:
+        raise ValueError(f"layer: expected an index in [{-(num_layers + 1)}, {num_layers}] (the model has "
+                         f"{num_layers} layers, so {num_layers + 1} hidden states), got {layer}")
+    return int(layer) % (num_layers + 1)
+
+
+def check_pooling(pooling) -> str:
+    """``pooling`` if it is one of :data:`POOLINGS`, else a ValueError naming it."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+    return pooling
+
+
+class _Stop(Exception):
+    """Raised by the capture hook once the wanted layer's input is in hand: skips the rest."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+def _layer_list(model: nn.Module) -> nn.ModuleList:
+    """The base model's stack of ``config.num_hidden_layers`` layers (Llama's ``layers``, BERT's ``encoder.layer``)."""
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if num_layers is not None:
+        for module in model.base_model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+                return module
+    raise TypeError(f"model: expected a transformers model with a list of config.num_hidden_layers layers, "
+                    f"got {type(model).__name__}")
+
+
+def _hidden_states(model: nn.Module, layers: nn.ModuleList, layer: int, input_ids, attention_mask) -> torch.Tensor:
+    """``[B, T, hidden]`` at ``layer`` (an index in ``0..len(layers)``), running no layer past it."""
+    base = model.base_model
+    if layer == len(layers):
+        return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def capture(module, args, kwargs):
+        raise _Stop(args[0] if args else kwargs["hidden_states"])
+
+    handle = layers[layer].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        base(input_ids=input_ids, attention_mask=attention_mask)
+    except _Stop as stop:
+        return stop.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError(f"model: layer {layer} never ran")
+
+
+def _token_ids(tokenizer, texts) -> list[list[int]]:
+    """Each text's token ids: strings through ``tokenizer`` (its special tokens added), token ids as given."""
+    if isinstance(texts, (str, bytes, torch.Tensor)) or not isinstance(texts, Sequence):
+        raise TypeError(f"texts: expected a list of strings or of token-id lists, got {type(texts).__name__}")
+    if not texts:
+        raise ValueError("texts: expected at least one text, got none")
+    out = []
+    for i, text in enumerate(texts):
+        if isinstance(text, str):
+            if tokenizer is None:
+                raise TypeError(f"tokenizer: expected a tokenizer to encode texts[{i}] (a string), got None")
+            ids = tokenizer(text)["input_ids"]
+        elif isinstance(text, torch.Tensor):
+            if text.dim() != 1 or text.is_floating_point() or text.is_complex() or text.dtype == torch.bool:
+                raise TypeError(f"texts[{i}]: expected a 1-D integer tensor of token ids, got {text.dtype} "
+                                f"of shape {tuple(text.shape)}")
+            ids = text.tolist()
+        elif isinstance(text, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                for t in text):
+            ids = [int(t) for t in text]
+        else:
+            raise TypeError(f"texts[{i}]: expected a string or a sequence of int token ids, got {type(text).__name__}")
+        if not ids:
+            raise ValueError(f"texts[{i}]: expected at least one token, got none")
+        out.append(ids)
+    return out
+
+
+def _model_fingerprint(model: nn.Module) -> str:
+    """What identifies a model's function: its class, config and a strided sample of every parameter."""
+    digest = hashlib.sha256(type(model).__qualname__.encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to(device="cpu", dtype=torch.float64)
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _cache_path(cache_dir, model, layer: int, pooling: str, ids: list[list[int]]) -> pathlib.Path:
+    digest = hashlib.sha256(f"{_model_fingerprint(model)}|layer={layer}|pooling={pooling}".encode())
+    for seq in ids:
+        digest.update(torch.tensor(seq, dtype=torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    return pathlib.Path(cache_dir) / f"features-{digest.hexdigest()[:32]}.pt"
+
+
+@torch.no_grad()  # not inference_mode: the features must stay usable as inputs of a training fit
+def extract_features(model: nn.Module, tokenizer, texts, layer: int = -1, pooling: str = "mean",
+                     batch_size: int = 16, progress: bool = True, cache_dir=None) -> torch.Tensor:
+    """``[len(texts), hidden]`` float32: each text's hidden states at ``layer``, pooled over its tokens.
+
+    Args:
+        model: a transformers model (a causal LM such as ``LlamaForCausalLM``, or an encoder such
+            as ``BertModel``); its base model runs, never the language-model head.
+        tokenizer: encodes the string entries of ``texts`` (special tokens added as the tokenizer
+            does by default); may be ``None`` when every entry is already token ids.
+        texts: strings, or token-id sequences (e.g. chat-templated prompts), or a mix.
+        layer: which hidden state (see the module docstring); negative counts from the end.
+        pooling: ``"mean"`` over the text's tokens or its ``"last"`` token; padding never counts.
+        batch_size: texts per forward pass; texts are batched by length (less padding) and padded
+            on the right, so a causal LM's positions are those of the text alone.
+        progress: a tqdm bar over the batches (if tqdm is installed).
+        cache_dir: if given, the result is stored there under a hash of the model (class, config,
+            a parameter sample), ``layer``, ``pooling`` and the token ids, and read back on a later
+            call with the same content.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a transformers model (an nn.Module), got {type(model).__name__}")
+    layers = _layer_list(model)
+    layer = normalize_layer(layer, len(layers))
+    check_pooling(pooling)
+    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+        raise TypeError(f"batch_size: expected an int, got {type(batch_size).__name__} {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir: expected a path or None, got {type(cache_dir).__name__}")
+    ids = _token_ids(tokenizer, texts)
+
+    path = _cache_path(cache_dir, model, layer, pooling, ids) if cache_dir is not None else None
+    if path is not None and path.is_file():
+        return torch.load(path)
+
+    device = next(model.parameters()).device
+    pad = getattr(tokenizer, "pad_token_id", None) or 0  # any id: padded positions are masked out
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = torch.empty(len(ids), model.config.hidden_size, dtype=torch.float32)
+    starts = range(0, len(order), batch_size)
+    try:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"features (layer {layer}, {pooling})", unit="batch", disable=not progress)
+    except ImportError:
+        pass
+    for start in starts:
+        batch = order[start:start + batch_size]
+        lengths = torch.tensor([len(ids[i]) for i in batch], device=device)
+        width = int(lengths.max())
+        input_ids = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in batch], device=device)
+        mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        hidden = _hidden_states(model, layers, layer, input_ids, mask).float()
+        if pooling == "mean":
+            pooled = (hidden * mask[..., None]).sum(dim=1) / lengths[:, None]
+        else:
+            pooled = hidden[torch.arange(len(batch), device=device), lengths - 1]
+        out[batch] = pooled.cpu()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(out, partial)
+        os.replace(partial, path)  # atomic: a concurrent reader never sees half a file
+    return out
