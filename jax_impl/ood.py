@@ -1,4 +1,5 @@
-"""Mahalanobis scoring as one Pallas TPU kernel, and a differentiable JAX op around it.
+"""Mahalanobis scoring as one Pallas TPU kernel, and a differentiable JAX op around it (EDM
+scoring, below, likewise).
 
 The kernel tiles the whitening GEMM ``y = (x - center) @ W`` over (rows, output columns, inner
 dimension) and, as each column block of ``y`` completes, folds it into ``||y||^2`` and the class
@@ -171,3 +172,180 @@ def mahalanobis_score_reference(x, means, whitener):
     x, means, whitener = (a.astype(jnp.float32) for a in (x, means, whitener))
     y = (x[:, None, :] - means[None, :, :]) @ whitener
     return jnp.min(jnp.sum(y * y, axis=-1), axis=1)
+
+
+# ---- EDM diffusion scoring ----
+#
+# One grid step owns a block of rows and runs the whole denoiser at every noise level for them, the
+# weights resident in VMEM (their block is the whole array, fetched once: the index maps are
+# constant), levels and residual blocks as fori_loops. Features and hidden width are padded to the
+# 128 lanes with zeros, which the MLP carries through as zeros (silu(0) = 0). The per-level scalars
+# (sigma, c_in, c_skip, c_out and the level weight) are read from SMEM. With ``scoped``, a tangent
+# rides along every matmul (one Jacobian-vector product per level).
+
+EDM_MAX_WEIGHT_BYTES = 24 << 20  # resident weights; VMEM also holds their second pipeline buffer
+
+
+def _silu_and_slope(h):
+    gate = jax.nn.sigmoid(h)
+    return h * gate, gate * (1.0 + h * (1.0 - gate))
+
+
+def _edm_kernel(coef_ref, level_weight_ref, x_ref, mean_ref, inv_scale_ref, noise_ref, level_bias_ref, w_in_ref,
+                w1_ref, b1_ref, w2_ref, b2_ref, w_out_ref, b_out_ref, score_ref, *, num_levels, num_blocks, scoped):
+    f32 = jnp.float32
+    y = (x_ref[...].astype(f32) - mean_ref[...]) * inv_scale_ref[...]
+
+    def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=f32)
+
+    def level(l, total):
+        sigma, c_in, c_skip, c_out = (coef_ref[4 * l + i] for i in range(4))
+        noise = noise_ref[l]  # [1, Dp]
+        w_in = w_in_ref[...]
+        if scoped:
+            h = dot(c_in * y, w_in)
+            th = jnp.broadcast_to(dot(c_in * noise, w_in), h.shape)  # the tangent's input is the same for every row
+        else:
+            h = dot(c_in * (y + sigma * noise), w_in)
+            th = None
+        h = h + level_bias_ref[l]
+
+        def block(k, carry):
+            h, th = carry
+            a, slope = _silu_and_slope(h)
+            z = dot(a, w1_ref[k]) + b1_ref[k]
+            t, z_slope = _silu_and_slope(z)
+            h = h + dot(t, w2_ref[k]) + b2_ref[k]
+            if th is not None:
+                th = th + dot(z_slope * dot(slope * th, w1_ref[k]), w2_ref[k])
+            return h, th
+
+        h, th = jax.lax.fori_loop(0, num_blocks, block, (h, th))
+        a, slope = _silu_and_slope(h)
+        f = dot(a, w_out_ref[...]) + b_out_ref[...]
+        if scoped:
+            residual = c_skip * y + c_out * f - y
+            tf = dot(slope * th, w_out_ref[...])
+            error = (jnp.sum(residual * residual, axis=1, keepdims=True) / (sigma * sigma)
+                     + jnp.sum(c_out * tf * noise, axis=1, keepdims=True) + (c_skip - 1.0) * jnp.sum(noise * noise))
+        else:
+            residual = c_skip * (y + sigma * noise) + c_out * f - y
+            error = jnp.sum(residual * residual, axis=1, keepdims=True)
+        return total + level_weight_ref[l] * error
+
+    score_ref[...] = jax.lax.fori_loop(0, num_levels, level, jnp.zeros(score_ref.shape, f32))
+
+
+@functools.partial(jax.jit, static_argnames=("scoped", "interpret", "block_rows"))
+def edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2,
+                     w_out, b_out, *, scoped=False, interpret=None, block_rows=256):
+    """The EDM score of each row of ``x`` by the fused Pallas kernel (contract:
+    ``torch_kernels.reference.ood.edm_score_levels``): ``[B]`` float32.
+
+    x ``[B, D]`` (float32, bfloat16 or float16); coefficients ``[L, 4]`` (sigma, c_in, c_skip,
+    c_out per level), everything else float32 as the op passes it. Multiplies in float32.
+    """
+    if x.dtype == jnp.float64:
+        raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
+    b, d = x.shape
+    h, k, num_levels = w_in.shape[1], w1.shape[0], coefficients.shape[0]
+    dp, hp = round_up(d, LANES), round_up(h, LANES)
+    weight_bytes = 4 * (2 * dp * hp + 2 * max(k, 1) * hp * (hp + 1) + num_levels * (dp + hp) + 3 * dp)
+    if weight_bytes > EDM_MAX_WEIGHT_BYTES:
+        raise NotImplementedError(f"pallas: the denoiser's {weight_bytes >> 20} MB of weights do not fit VMEM "
+                                  f"(at most {EDM_MAX_WEIGHT_BYTES >> 20} MB)")
+    if b == 0:
+        return jnp.zeros((0,), jnp.float32)
+    rows = min(block_rows, round_up(b, 16))  # 16: bfloat16 rows pack in pairs
+    bp = round_up(b, rows)
+    f32 = jnp.float32
+
+    def pad(a, *shape):
+        return jnp.pad(a.astype(f32), [(0, s - n) for s, n in zip(shape, a.shape)])
+
+    if k == 0:  # nothing to loop over; a zero block keeps every operand non-empty
+        w1, b1, w2, b2 = (jnp.zeros((1,) + a.shape[1:], f32) for a in (w1, b1, w2, b2))
+    kp = w1.shape[0]
+    operands = (
+        jnp.pad(x, ((0, bp - b), (0, dp - d))),
+        pad(mean, dp)[None], pad(inv_scale, dp)[None],
+        pad(noise, num_levels, dp)[:, None, :], pad(level_bias, num_levels, hp)[:, None, :],
+        pad(w_in, dp, hp), pad(w1, kp, hp, hp), pad(b1, kp, hp)[:, None, :],
+        pad(w2, kp, hp, hp), pad(b2, kp, hp)[:, None, :], pad(w_out, hp, dp), pad(b_out, dp)[None],
+    )
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda i, _n=a.ndim: (0,) * _n)
+
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    score = pl.pallas_call(
+        functools.partial(_edm_kernel, num_levels=num_levels, num_blocks=k, scoped=scoped),
+        grid=(bp // rows,),
+        in_specs=[smem, smem, pl.BlockSpec((rows, dp), lambda i: (i, 0)), *map(whole, operands[1:])],
+        out_specs=pl.BlockSpec((rows, 1), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((bp, 1), f32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=2 * weight_bytes + (16 << 20)),
+        interpret=interpret_params(interpret),
+    )(coefficients.astype(f32).reshape(-1), level_weights.astype(f32), *operands)
+    return score[:b, 0]
+
+
+def edm_score_reference(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2,
+                        w_out, b_out, *, scoped=False):
+    """The same scores in plain jnp, the tangent by ``jax.jvp`` (autodiff for gradients)."""
+    f32 = jnp.float32
+    y = (x.astype(f32) - mean) * inv_scale
+
+    def mlp(u, bias):
+        h = u @ w_in + bias
+        for kk in range(w1.shape[0]):
+            h = h + jax.nn.silu(jax.nn.silu(h) @ w1[kk] + b1[kk]) @ w2[kk] + b2[kk]
+        return jax.nn.silu(h) @ w_out + b_out
+
+    total = jnp.zeros(x.shape[0], f32)
+    for l in range(coefficients.shape[0]):
+        sigma, c_in, c_skip, c_out = coefficients[l]
+        n = noise[l]
+
+        def denoiser(v, c_in=c_in, c_skip=c_skip, c_out=c_out, bias=level_bias[l]):
+            return c_skip * v + c_out * mlp(c_in * v, bias)
+
+        if scoped:
+            out, jvp = jax.jvp(denoiser, (y,), (jnp.broadcast_to(n, y.shape),))
+            error = jnp.sum((out - y) ** 2, axis=1) / sigma**2 + jvp @ n - jnp.sum(n * n)
+        else:
+            error = jnp.sum((denoiser(y + sigma * n) - y) ** 2, axis=1)
+        total = total + level_weights[l] * error
+    return total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(14, 15))
+def edm_score(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2, w_out, b_out,
+              scoped=False, interpret=None):
+    """EDM scores by the Pallas kernel; differentiable (the backward is the vector-Jacobian
+    product of ``edm_score_reference``)."""
+    return edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2,
+                            w_out, b_out, scoped=scoped, interpret=interpret)
+
+
+def _edm_fwd(*args):
+    *arrays, scoped, interpret = args
+    return edm_score_levels(*arrays, scoped=scoped, interpret=interpret), arrays
+
+
+def _edm_bwd(scoped, interpret, arrays, grad):
+    _, vjp = jax.vjp(functools.partial(edm_score_reference, scoped=scoped), *arrays)
+    return vjp(grad)
+
+
+edm_score.defvjp(_edm_fwd, _edm_bwd)
+
+
+def edm_level_coefficients(sigmas, sigma_data: float):
+    """``[L, 4]`` float32 table of ``(sigma, c_in, c_skip, c_out)`` at the noise levels ``sigmas``
+    (EDM's preconditioning: ``1 / sqrt(s^2 + sd^2)``, ``sd^2 / (s^2 + sd^2)``, ``s sd / sqrt(s^2 + sd^2)``)."""
+    s = jnp.asarray(sigmas, jnp.float32)
+    total = s * s + sigma_data**2
+    return jnp.stack([s, jax.lax.rsqrt(total), sigma_data**2 / total, s * sigma_data * jax.lax.rsqrt(total)], axis=1)

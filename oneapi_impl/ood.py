@@ -1,4 +1,4 @@
-"""Mahalanobis scoring as one fused SYCL kernel (``ood.cl``), run from SPIR-V."""
+"""Mahalanobis and EDM scoring, each one fused SYCL kernel (``ood.cl``), run from SPIR-V."""
 
 from __future__ import annotations
 
@@ -81,3 +81,61 @@ def self_check() -> None:
 def spirv_binaries() -> list[bytes]:
     """The SPIR-V modules for every x dtype at one layout (built, cached)."""
     return [_runtime.spirv("ood.cl", _macros(dtype, 4, 256)) for dtype in _X_KINDS]
+
+
+# ---- EDM diffusion scoring ----
+
+EDM_WORK_GROUP = 64  # work-items per group: each owns columns lid, lid + 64, ... of every layer
+
+
+def _edm_local_bytes(rows: int, max_h: int, scoped: bool, acc_bytes: int) -> int:
+    # mirrors the __local arrays of edm_score_levels: three (six with tangents) [RB][MAX_H], and red
+    return ((6 if scoped else 3) * rows * max_h + rows * EDM_WORK_GROUP) * acc_bytes
+
+
+def _edm_layout(b: int, h: int, scoped: bool, acc_bytes: int, local_bytes: int) -> tuple[int, int]:
+    """(RB, MAX_H): rows per work-group (4, or 1 for a single row; fewer if local memory is short)
+    and the hidden width the local arrays are sized for (a power of two, so few builds serve all)."""
+    max_h = 16
+    while max_h < h:
+        max_h *= 2
+    rows = 4 if b > 1 else 1
+    while rows and _edm_local_bytes(rows, max_h, scoped, acc_bytes) > local_bytes:
+        rows //= 2
+    if not rows:
+        raise NotImplementedError(f"sycl: hidden width {h} does not fit the device's {local_bytes} bytes of local memory")
+    return rows, max_h
+
+
+def _edm_macros(x_dtype: torch.dtype, rows: int, max_h: int, scoped: bool) -> dict[str, int]:
+    return {"X_KIND": _X_KINDS[x_dtype], "ACC_F64": int(x_dtype == torch.float64), "RB": rows, "MAX_H": max_h,
+            "WG": EDM_WORK_GROUP, "SCOPED": int(scoped)}
+
+
+def edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2,
+                     w_out, b_out, scoped):
+    """The fused kernel on CPU tensors, run on the ``opencl:cpu`` SYCL device.
+
+    Contract: ``torch_kernels.reference.ood.edm_score_levels``. Computes in float32 (float64 for
+    float64 inputs).
+    """
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {x.device}")
+    acc = coefficients.dtype
+    b, d = x.shape
+    h, k = w_in.shape[1], w1.shape[0]
+    rows, max_h = _edm_layout(b, h, scoped, torch.empty((), dtype=acc).element_size(), _runtime.local_memory_bytes())
+    kernel = _runtime.kernel("ood.cl", "edm_score_levels", **_edm_macros(x.dtype, rows, max_h, scoped))
+    tensors = (x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2, w_out, b_out)
+    inputs = [_runtime.usm_copy(t.contiguous()) for t in tensors]
+    score_mem, score = _runtime.usm_empty((b,), acc)
+    args = [mem for mem, _ in inputs] + [score_mem] + [ctypes.c_int(v) for v in (b, d, h, coefficients.shape[0], k)]
+    groups = -(-b // rows)
+    _runtime.host_queue().submit(kernel, args, [groups * EDM_WORK_GROUP], [EDM_WORK_GROUP]).wait()
+    return score
+
+
+def edm_spirv_binaries() -> list[bytes]:
+    """The SPIR-V modules of ``edm_score_levels`` for every x dtype and statistic at one layout."""
+    return [_runtime.spirv("ood.cl", _edm_macros(dtype, 4, 512, scoped)) for dtype in _X_KINDS
+            for scoped in (False, True)]
