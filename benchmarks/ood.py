@@ -304,7 +304,7 @@ def plot(rows, dims, batch_sizes, mech_rows, path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only, a few seconds per section")
-    parser.add_argument("--clinc", type=pathlib.Path, default=ROOT.parent / "shared" / "data" / "clinc150",
+    parser.add_argument("--clinc", type=pathlib.Path, default=ROOT / "torch_kernels" / "data" / "clinc150",
                         help="folder holding CLINC150's data_full.json (skipped if absent)")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
     parser.add_argument("--interpreted-limit", type=float, default=20.0,
