@@ -151,52 +151,39 @@ def test_gates_every_dtype_and_layout(backend, pv_dtype, dtype):
         assert cos >= min_cos and l1 <= max_l1, (nq, cos, l1)
 
 
+# what each case offsets, the smoothing that undoes it, make_qkv's inputs, and whether unsmoothed
+# both gate figures fail (keys) or at least one (queries)
+OFFSET_CASES = {
+    "keys": ("smooth_k", dict(hkv=4, key_offset=KEY_OFFSET, seed=3), True),
+    "queries": ("smooth_q", dict(hkv=2, key_offset=KEY_OFFSET, query_offset=QUERY_OFFSET, seed=5), False),
+}
+
+
+@pytest.mark.parametrize("offsets", OFFSET_CASES)
 @pytest.mark.parametrize("pv_dtype", PV_DTYPES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_key_offsets_need_smoothing(backend, granularity, pv_dtype):
-    """Keys with large per-channel offsets (as in LLMs): unsmoothed int8 keys spend their range on
-    the offset and fail the gate; smoothed ones pass it."""
+def test_offsets_need_smoothing(backend, granularity, pv_dtype, offsets):
+    """Keys or queries with large per-channel offsets (as in LLMs; SmolLM2's queries have them):
+    unsmoothed int8 rows spend their range on the offset and fail the gate; smoothed ones (for
+    queries, the offset's scores returned as a key bias) pass it."""
     require_backend(backend)
     diagonal_only(backend, GRANULARITIES.index(granularity), PV_DTYPES.index(pv_dtype))
-    q, k, v = make_qkv(b=1, hq=4, hkv=4, nq=190, nk=190, d=128, dtype=torch.bfloat16, key_offset=KEY_OFFSET, seed=3)
+    option, inputs, both_fail = OFFSET_CASES[offsets]
+    q, k, v = make_qkv(b=1, hq=4, nq=190, nk=190, d=128, dtype=torch.bfloat16, **inputs)
     want = sdpa_float32(q, k, v, causal=True)
     min_cos, max_l1 = GATES[pv_dtype]
     figures = {}
-    for smooth_k in (True, False):
+    for smooth in (True, False):
         out = torch_kernels.quantized_attention(q, k, v, causal=True, granularity=granularity, pv_dtype=pv_dtype,
-                                                smooth_k=smooth_k, implementation=backend)
-        figures[smooth_k] = accuracy(out, want)
-        report(f"key offsets {granularity} {pv_dtype} smooth_k={smooth_k}", *figures[smooth_k])
+                                                implementation=backend, **{option: smooth})
+        figures[smooth] = accuracy(out, want)
+        report(f"{offsets} offsets {granularity} {pv_dtype} {option}={smooth}", *figures[smooth])
     cos, l1 = figures[True]
     assert cos >= min_cos and l1 <= max_l1, figures
     cos, l1 = figures[False]
-    assert cos < min_cos and l1 > max_l1, figures
-
-
-@pytest.mark.parametrize("pv_dtype", PV_DTYPES)
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_query_offsets_need_smoothing(backend, granularity, pv_dtype):
-    """Queries with large per-channel offsets (as SmolLM2's): unsmoothed int8 queries spend their
-    range on the offset and fail the gate; smoothed ones, with the offset's scores returned as a
-    key bias, pass it."""
-    require_backend(backend)
-    diagonal_only(backend, GRANULARITIES.index(granularity), PV_DTYPES.index(pv_dtype))
-    q, k, v = make_qkv(b=1, hq=4, hkv=2, nq=190, nk=190, d=128, dtype=torch.bfloat16, key_offset=KEY_OFFSET,
-                       query_offset=QUERY_OFFSET, seed=5)
-    want = sdpa_float32(q, k, v, causal=True)
-    min_cos, max_l1 = GATES[pv_dtype]
-    figures = {}
-    for smooth_q in (True, False):
-        out = torch_kernels.quantized_attention(q, k, v, causal=True, granularity=granularity, pv_dtype=pv_dtype,
-                                                smooth_q=smooth_q, implementation=backend)
-        figures[smooth_q] = accuracy(out, want)
-        report(f"query offsets {granularity} {pv_dtype} smooth_q={smooth_q}", *figures[smooth_q])
-    cos, l1 = figures[True]
-    assert cos >= min_cos and l1 <= max_l1, figures
-    cos, l1 = figures[False]
-    assert cos < min_cos or l1 > max_l1, figures
+    fails = (cos < min_cos, l1 > max_l1)
+    assert all(fails) if both_fail else any(fails), figures
 
 
 def test_fp8_gate_is_the_operand_rounding():

@@ -17,7 +17,7 @@ from torch import nn
 from .. import _checks
 from ..ops.ood import edm_score
 from ..reference import ood as reference
-from .mahalanobis import MahalanobisScorer
+from .scorer import FittedScorer
 
 __all__ = ["EDMScorer", "edm_score"]
 
@@ -31,7 +31,7 @@ _NETWORK = ("w_in", "b_in", "embedding", "w1", "b1", "w2", "b2", "w_out", "b_out
 _BUFFERS = ("mean_", "inv_scale_", "sigma_data_", "sigmas_", "noise_", "frequencies_")
 
 
-class EDMScorer(nn.Module):
+class EDMScorer(FittedScorer):
     """EDM diffusion OOD scorer over frozen features, usable as a module inside models.
 
     Args:
@@ -115,15 +115,6 @@ class EDMScorer(nn.Module):
     def fitted(self) -> bool:
         """Whether ``fit`` (or ``load_state_dict``) has given the scorer its weights."""
         return self.w_in.numel() > 0
-
-    def _apply(self, fn, recurse=True):
-        # .half() or .double() on a model holding a scorer must not round the fitted weights and
-        # grid: they only follow the device (scoring converts nothing for float32 features).
-        def move_only(t):
-            moved = fn(t)
-            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
-
-        return super()._apply(move_only, recurse)
 
     def extra_repr(self) -> str:
         shape = f", features={self.w_in.shape[0]}" if self.fitted else ""
@@ -270,10 +261,6 @@ class EDMScorer(nn.Module):
 
     # ---- scoring ----
 
-    def _require_fitted(self) -> None:
-        if not self.fitted:
-            raise RuntimeError("EDMScorer: call fit() (or load_state_dict()) before scoring")
-
     def forward(self, x: torch.Tensor, statistic: str | None = None,
                 implementation: str | Sequence[str] | None = None) -> torch.Tensor:
         """``[B]`` scores of ``x [B, D]`` (float32; float64 for float64 ``x``) by the ``edm_score`` op;
@@ -287,7 +274,6 @@ class EDMScorer(nn.Module):
                          statistic, implementation)
 
     score = forward
-    threshold = MahalanobisScorer.threshold
 
 
 def _check_statistic(statistic) -> str:

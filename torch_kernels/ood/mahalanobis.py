@@ -8,6 +8,7 @@ import torch
 
 from .. import _checks
 from ..ops.ood import mahalanobis_score
+from .scorer import FittedScorer
 
 __all__ = ["MahalanobisScorer", "mahalanobis_score", "COVARIANCE_ESTIMATORS"]
 
@@ -54,7 +55,7 @@ class _Moments:
         self.sq_weighted_sum += sq @ u
 
 
-class MahalanobisScorer(torch.nn.Module):
+class MahalanobisScorer(FittedScorer):
     """Mahalanobis-distance OOD scorer over frozen features, usable as a module inside models.
 
     Args:
@@ -88,15 +89,6 @@ class MahalanobisScorer(torch.nn.Module):
     def fitted(self) -> bool:
         """Whether ``fit`` (or ``load_state_dict``) has given the scorer its statistics."""
         return self.whitener_.numel() > 0
-
-    def _apply(self, fn, recurse=True):
-        # .half(), .double() or .to(dtype) on a model holding a scorer must not round the fitted
-        # statistics (float64, and the float32 copies scoring reads): they only follow the device.
-        def move_only(t):
-            moved = fn(t)
-            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
-
-        return super()._apply(move_only, recurse)
 
     def extra_repr(self) -> str:
         shape = f", classes={self.means_.shape[0]}, features={self.means_.shape[1]}" if self.fitted else ""
@@ -238,10 +230,6 @@ class MahalanobisScorer(torch.nn.Module):
         if self.fitted:
             self._refresh_copies()
 
-    def _require_fitted(self) -> None:
-        if not self.fitted:
-            raise RuntimeError("MahalanobisScorer: call fit() (or load_state_dict()) before scoring")
-
     def forward(self, x: torch.Tensor, implementation: str | Sequence[str] | None = None) -> torch.Tensor:
         """``[B]`` squared Mahalanobis distances of ``x [B, D]`` (min over classes), float32."""
         self._require_fitted()
@@ -250,21 +238,3 @@ class MahalanobisScorer(torch.nn.Module):
         return mahalanobis_score(x, self._means32, self._whitener32, implementation)
 
     score = forward
-
-    def threshold(self, features: torch.Tensor, tpr: float = 0.95) -> float:
-        """The score below which a fraction ``tpr`` of held-out in-distribution ``features`` fall."""
-        if not isinstance(tpr, (int, float)) or isinstance(tpr, bool):
-            raise TypeError(f"tpr: expected a float fraction in (0, 1], got {type(tpr).__name__} {tpr!r}")
-        if not 0.0 < tpr <= 1.0:
-            raise ValueError(f"tpr: expected a fraction in (0, 1], got {tpr!r}")
-        scores = self.score(features).to(torch.float64)
-        if scores.numel() == 0:
-            raise ValueError("features: expected at least one row, got none")
-        if not torch.isfinite(scores).all():
-            raise ValueError("features: NaN or inf features give scores no threshold can be taken from")
-        # torch.quantile's linear interpolation, by sorting (quantile refuses over 2**24 rows)
-        ordered = scores.sort().values
-        position = tpr * (len(ordered) - 1)
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return (ordered[low] + (position - low) * (ordered[high] - ordered[low])).item()
