@@ -8,13 +8,23 @@ grad-free ones included). When no gradient is needed and the inputs are plain te
 dispatch mode active, it calls the device kernel itself instead of dispatching a second time;
 anything else (fake tensors while compiling, functionalization, vmap, FlopCounterMode) takes the
 ordinary redispatch.
+
+Every op also registers its cost here (:func:`register_cost`): a FLOP formula, which
+``torch.utils.flop_counter.FlopCounterMode`` uses too, and a byte formula, what one call must move
+at least. ``torch_kernels.profile`` divides both by the measured time (:func:`kernels_replaced_by`
+swaps in its timed kernels while it is active, so the ordinary path carries no check).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import dataclasses
+import types
+import warnings
+from typing import Any, Callable
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 LIB = torch.library.Library("torch_kernels", "DEF")
 DEVICE_KEYS = ("CPU", "CUDA", "XPU")
@@ -47,7 +57,116 @@ def define(
     torch.library.register_fake(f"torch_kernels::{name}", fake, lib=LIB)
     op = getattr(torch.ops.torch_kernels, name).default
     LIB.impl(name, _autograd_kernel(op, kernel, setup_context, backward), "Autograd")
+    _definitions[name] = _Definition(op, kernel, setup_context, backward)
     return op
+
+
+@dataclasses.dataclass(frozen=True)
+class _Definition:
+    op: torch._ops.OpOverload
+    kernel: Callable
+    setup_context: Callable | None
+    backward: Callable | None
+
+
+_definitions: dict[str, _Definition] = {}
+
+
+@contextlib.contextmanager
+def kernels_replaced_by(wrap: Callable[[torch._ops.OpOverload, Callable], Callable]):
+    """Within this block every op defined here runs ``wrap(op, kernel)`` instead of its device kernel.
+
+    The replacements are registered over the originals (device keys and the autograd kernel, whose
+    fast path calls the device kernel directly) in a library fragment of their own; the dispatcher
+    keeps the originals beneath and brings them back when the fragment closes on exit. Outside the
+    block the ops run exactly as defined.
+    """
+    fragment = torch.library.Library("torch_kernels", "IMPL")
+    # the fragment's dispatcher module directly: Library.impl refuses a second Python kernel for a
+    # key in older torch (2.11 does), and newer ones forget the originals' keys when it closes
+    register = fragment.m.impl
+    try:
+        with warnings.catch_warnings():  # overriding is the point here, not a mistake to warn about
+            warnings.filterwarnings("ignore", message=".*(Overriding a previously registered kernel|Warning only once)")
+            for name, d in _definitions.items():
+                wrapped = wrap(d.op, d.kernel)
+                for key in DEVICE_KEYS:
+                    register(name, key, wrapped, False)
+                register(name, "Autograd", _autograd_kernel(d.op, wrapped, d.setup_context, d.backward), False)
+        yield
+    finally:
+        fragment._destroy()
+
+
+# ---- costs: FLOP and byte formulas ----
+
+Formula = Callable[[types.SimpleNamespace, Any], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """An op's FLOP and byte formulas; each takes ``(args, out)``: the call's arguments by their
+    schema names (defaults filled in) and what the op returned."""
+
+    flops: Formula
+    bytes: Formula
+
+
+_costs: dict[str, Cost] = {}
+
+
+def bind_arguments(op: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> types.SimpleNamespace:
+    """``op``'s call arguments by their schema names, with the defaults of those left out (the
+    dispatcher drops trailing arguments at their defaults)."""
+    values = dict(kwargs or {})
+    for i, argument in enumerate(op._schema.arguments):
+        if i < len(args):
+            values[argument.name] = args[i]
+        elif argument.name not in values:
+            values[argument.name] = argument.default_value if argument.has_default_value() else None
+    return types.SimpleNamespace(**values)
+
+
+def register_cost(op: torch._ops.OpOverload, *, flops: Formula, bytes: Formula) -> None:  # noqa: A002 - the cost's name
+    """Register ``op``'s FLOP and byte formulas, both ``f(args, out) -> int`` (see :class:`Cost`).
+
+    FLOPs count 2 per multiply-add of the op's matrix products and reductions; elementwise maps
+    (activations, softmax, quantization) are not counted, as in ``torch.utils.flop_counter``.
+    Bytes are what one call must move at least: each input element it needs read once, each output
+    element written once. The FLOP formula is registered with ``FlopCounterMode`` too.
+    """
+    name = op._opname
+    if name in _costs:
+        raise RuntimeError(f"register_cost: {name} already has its formulas")
+    _costs[name] = Cost(flops, bytes)
+
+    def flop_formula(*args, out_val=None, **kwargs) -> int:
+        return flops(bind_arguments(op, args, kwargs), out_val)
+
+    register_flop_formula(op.overloadpacket, get_raw=True)(flop_formula)
+
+
+def cost_of(op_name: str) -> Cost | None:
+    """The formulas registered for ``torch_kernels::<op_name>``, or None."""
+    return _costs.get(op_name)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def tensor_bytes(*values) -> int:
+    """The bytes of every tensor in ``values`` (tensors, None, or lists and tuples of them)."""
+    return sum(t.numel() * t.element_size() for value in values for t in _tensors(value))
+
+
+def io_bytes(args: types.SimpleNamespace, out) -> int:
+    """Byte formula of an op that needs all of every tensor argument: each read once, the outputs written once."""
+    return tensor_bytes(*vars(args).values(), out)
 
 
 def _autograd_kernel(op, kernel, setup, backward_formula) -> Callable:

@@ -1,7 +1,7 @@
 """Linear attention ops: ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule`` and
 ``chunk_simple_gla``, with fla's names, argument order and layout.
 
-Each is a ``torch.ops.torch_kernels`` op with a fake, a FLOP formula and an autograd formula whose
+Each is a ``torch.ops.torch_kernels`` op with a fake, FLOP and byte formulas and an autograd formula whose
 backward is an op too (``<name>_backward``), so both directions run on the chosen backend and
 compile without graph breaks. The math is in ``torch_kernels.reference.linear_attention``.
 
@@ -18,10 +18,9 @@ import math
 import numbers
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
-from .._library import define
+from .._library import define, io_bytes, register_cost
 from ..reference import linear_attention as reference
 
 CHUNK_DELTA = "chunk_gated_delta_rule"
@@ -157,7 +156,7 @@ def _strip_grad(*tensors):
 
 
 class _Family:
-    """The forward op, backward op, autograd and FLOP formula shared by the three ops."""
+    """The forward op, backward op, autograd and cost formulas shared by the three ops."""
 
     def __init__(self, name: str, *, delta: bool, grouped: bool):
         self.name, self.delta, self.grouped = name, delta, grouped
@@ -169,7 +168,9 @@ class _Family:
             self._backward_kernel, self._backward_fake)
         self.forward_op = define(f"{name}({inputs}) -> (Tensor, Tensor)", self._forward_kernel, self._forward_fake,
                                  setup_context=self._setup_context, backward=self._backward)
-        register_flop_formula(self.forward_op.overloadpacket)(self._flops)
+        register_cost(self.forward_op, flops=self._flops, bytes=io_bytes)
+        # the backward recomputes the forward's states, then takes two products for each of its one
+        register_cost(self.backward_op, flops=lambda a, out: 3 * self._flops(a, out), bytes=io_bytes)
 
     def _unpack(self, args):
         """(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, implementation) from
@@ -248,9 +249,9 @@ class _Family:
             names = ["q", "k", "v", "g", "scale", "initial_state", "cu_seqlens", "implementation"]
         return tuple(grads.get(name) if needed else None for name, needed in zip(names, ctx.needs_input_grad))
 
-    def _flops(self, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
-        batch, length, _, k_dim = q_shape
-        value_heads, v_dim = v_shape[2], v_shape[3]
+    def _flops(self, a, out) -> int:
+        batch, length, _, k_dim = a.q.shape
+        value_heads, v_dim = a.v.shape[2], a.v.shape[3]
         # per step and value head: the state update and the read-out (delta adds S^T k)
         per_step = (6 if self.delta else 4) * k_dim * v_dim
         return batch * length * value_heads * per_step

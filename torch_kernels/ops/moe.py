@@ -22,10 +22,9 @@ import math
 import numbers
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
-from .._library import define
+from .._library import define, io_bytes, register_cost, tensor_bytes
 from ..reference import moe as reference
 
 ROUTER, GATHER, COMBINE, GROUPED_MM, WEIGHT_GRAD, FUSED = (
@@ -644,17 +643,65 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_scale=N
                         backends.implementation_arg(implementation))
 
 
-# ---- FLOP formulas ----
+# ---- FLOP and byte formulas ----
 
-@register_flop_formula(grouped_mm_op.overloadpacket, get_raw=True)
-def _grouped_flops(x, w, offsets, *args, out_val=None, **kwargs) -> int:
-    return 2 * int(offsets[-1]) * x.shape[1] * w.shape[2] if offsets.numel() else 0
+def _grouped_rows(offsets) -> int:
+    return int(offsets[-1]) if offsets.numel() else 0
 
 
-@register_flop_formula(fused_moe_op.overloadpacket, get_raw=True)
-def _fused_flops(x, w13, w2, topk_weights, topk_ids, *args, out_val=None, **kwargs) -> int:
-    routed = int((topk_ids >= 0).sum())
-    return fused_moe_flops(routed, x.shape[1], w2.shape[2])
+def _experts_used(offsets) -> int:
+    """Experts with at least one row: only their weights need reading."""
+    return int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())
+
+
+def _per_expert_bytes(t, used: int) -> int:
+    """The bytes of ``used`` of the experts of ``t`` (``[E, ...]``, or None)."""
+    return 0 if t is None else tensor_bytes(t) // t.shape[0] * used
+
+
+def _grouped_bytes(a, out) -> int:
+    rows = _grouped_rows(a.offsets)
+    return (rows * a.x.shape[1] * a.x.element_size() + _per_expert_bytes(a.w, _experts_used(a.offsets))
+            + tensor_bytes(a.offsets, out))
+
+
+def _weight_grad_bytes(a, out) -> int:
+    rows = _grouped_rows(a.offsets)
+    return (rows * (a.x.shape[1] * a.x.element_size() + a.dy.shape[1] * a.dy.element_size())
+            + tensor_bytes(a.offsets, out))
+
+
+def _gather_bytes(a, out) -> int:
+    # each routed token read once (rows past the routed ones are written as zeros), every row written
+    tokens = int((a.row_of_slot >= 0).any(dim=1).sum())
+    return tokens * a.x.shape[1] * a.x.element_size() + tensor_bytes(a.token_of_row, out)
+
+
+def _combine_bytes(a, out) -> int:
+    rows = int((a.row_of_slot >= 0).sum())  # dropped slots are not read
+    return rows * a.y.shape[1] * a.y.element_size() + tensor_bytes(a.row_of_slot, a.topk_weights, out)
+
+
+def _fused_bytes(a, out) -> int:
+    used = int(torch.unique(a.topk_ids[a.topk_ids >= 0]).numel())
+    weights = sum(_per_expert_bytes(t, used) for t in (a.w13, a.w2, a.w13_scale, a.w2_scale))
+    return weights + tensor_bytes(a.x, a.topk_weights, a.topk_ids, out)
+
+
+def _fused_flops(a, out) -> int:
+    return fused_moe_flops(int((a.topk_ids >= 0).sum()), a.x.shape[1], a.w2.shape[2])
+
+
+# routing and moving rows: elementwise and selection work only, which FLOP counts leave out
+register_cost(router_topk_op, flops=lambda a, out: 0, bytes=io_bytes)
+register_cost(moe_gather_op, flops=lambda a, out: 0, bytes=_gather_bytes)
+register_cost(moe_combine_op, bytes=_combine_bytes,
+              flops=lambda a, out: 2 * int((a.row_of_slot >= 0).sum()) * a.y.shape[1])
+register_cost(grouped_mm_op, bytes=_grouped_bytes,
+              flops=lambda a, out: 2 * _grouped_rows(a.offsets) * a.x.shape[1] * a.w.shape[2])
+register_cost(grouped_mm_weight_grad_op, bytes=_weight_grad_bytes,
+              flops=lambda a, out: 2 * _grouped_rows(a.offsets) * a.x.shape[1] * a.dy.shape[1])
+register_cost(fused_moe_op, flops=_fused_flops, bytes=_fused_bytes)
 
 
 def fused_moe_flops(routed_rows: int, hidden: int, intermediate: int) -> int:

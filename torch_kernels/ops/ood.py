@@ -7,10 +7,9 @@ import functools
 from typing import Sequence
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
-from .._library import define
+from .._library import define, io_bytes, register_cost
 from ..reference import ood as reference
 
 OP = "mahalanobis_score"
@@ -153,16 +152,15 @@ def score_bytes(b: int, c: int, d: int, x_itemsize: int, param_itemsize: int) ->
     return b * d * x_itemsize + (d * d + c * d) * param_itemsize + b * 4
 
 
-@register_flop_formula(mahalanobis_score_op.overloadpacket)
-def _score_flop_formula(x_shape, means_shape, whitener_shape, *args, **kwargs) -> int:
-    return score_flops(x_shape[0], means_shape[0], x_shape[1])
-
-
-@register_flop_formula(mahalanobis_score_backward.overloadpacket)
-def _backward_flop_formula(grad_shape, x_shape, means_shape, whitener_shape, *args, **kwargs) -> int:
+def _backward_flops(a, out) -> int:
     # the recomputed forward, then diff @ W, (.) @ W^T and diff^T @ (.)
-    b, d = x_shape
-    return score_flops(b, means_shape[0], d) + 3 * 2 * b * d * d
+    b, d = a.x.shape
+    return score_flops(b, a.means.shape[0], d) + 3 * 2 * b * d * d
+
+
+register_cost(mahalanobis_score_op, bytes=io_bytes,
+              flops=lambda a, out: score_flops(a.x.shape[0], a.means.shape[0], a.x.shape[1]))
+register_cost(mahalanobis_score_backward, flops=_backward_flops, bytes=io_bytes)
 
 
 def mahalanobis_score(
@@ -379,19 +377,13 @@ def _edm_sizes(x_shape, w_in_shape, w1_shape, sigmas):
     return x_shape[0], x_shape[1], w_in_shape[1], w1_shape[0], len(sigmas)
 
 
-@register_flop_formula(edm_score_op.overloadpacket)
-def _edm_flop_formula(x_shape, *args, **kwargs) -> int:
-    shapes = dict(zip(EDM_TENSORS, args))
-    rest = _edm_arguments(args, kwargs)[len(EDM_TENSORS):]
-    return edm_score_flops(*_edm_sizes(x_shape, shapes["w_in"], shapes["w1"], rest[0]), rest[2] == "scoped")
+def _edm_flop_formula(a, out) -> int:
+    return edm_score_flops(*_edm_sizes(a.x.shape, a.w_in.shape, a.w1.shape, a.sigmas), a.statistic == "scoped")
 
 
-@register_flop_formula(edm_score_backward.overloadpacket)
-def _edm_backward_flop_formula(grad_shape, x_shape, *args, **kwargs) -> int:
-    # reverse mode costs about twice the forward, after the forward it recomputes
-    shapes = dict(zip(EDM_TENSORS, args))
-    rest = _edm_arguments(args, kwargs)[len(EDM_TENSORS):]
-    return 3 * edm_score_flops(*_edm_sizes(x_shape, shapes["w_in"], shapes["w1"], rest[0]), rest[2] == "scoped")
+register_cost(edm_score_op, flops=_edm_flop_formula, bytes=io_bytes)
+# reverse mode costs about twice the forward, after the forward it recomputes
+register_cost(edm_score_backward, flops=lambda a, out: 3 * _edm_flop_formula(a, out), bytes=io_bytes)
 
 
 def edm_score(

@@ -18,10 +18,9 @@ import numbers
 from typing import Callable, Sequence
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
-from .._library import define
+from .._library import define, register_cost, tensor_bytes
 from ..reference import paged_attention as reference
 
 WRITE_OP = "reshape_and_cache"
@@ -335,19 +334,43 @@ def attention_flops(num_q_heads: int, head_size: int, q_lens, kv_lens, sliding_w
 
 def attention_bytes(num_q_heads: int, num_kv_heads: int, head_size: int, q_lens, kv_lens,
                     query_itemsize: int, cache_itemsize: int, sliding_window=None) -> int:
-    """What a call must move at least: each sequence's visible keys and values once, queries in, output out."""
+    """What a call must move at least: each sequence's visible keys and values once (the cache rows
+    any of its queries sees, not whole pages), queries in, output out. Page tables and lengths, a
+    few bytes per page, are left out."""
     keys = sum(kv if sliding_window is None else min(kv, sliding_window + q - 1) for q, kv in zip(q_lens, kv_lens))
     num_tokens = sum(q_lens)
     return 2 * keys * num_kv_heads * head_size * cache_itemsize + 2 * num_tokens * num_q_heads * head_size * query_itemsize
 
 
-@register_flop_formula(ragged_paged_attention_op.overloadpacket, get_raw=True)
-def _attention_flop_formula(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                            sliding_window=None, *args, out_val=None, **kwargs) -> int:
-    # FlopCounterMode hands over the real tensors (get_raw); lengths are read on the host.
-    cu = cu_q_lens.tolist()
-    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    return attention_flops(query.shape[1], query.shape[2], q_lens, kv_lens.tolist(), sliding_window)
+def _lengths(a) -> tuple[list[int], list[int]]:
+    """Each sequence's query and kv lengths, read on the host."""
+    cu = a.cu_q_lens.tolist()
+    return [e - s for s, e in zip(cu[:-1], cu[1:])], a.kv_lens.tolist()
+
+
+def _write_bytes(key, value, key_cache, slot_mapping, k_scale, v_scale) -> int:
+    """Writing new tokens to the caches: the real (slot >= 0) rows of key and value read, the
+    slots and scales read, the same rows written to both caches."""
+    rows = int((slot_mapping >= 0).sum())
+    row_elements = key.shape[1] * key.shape[2]
+    return (rows * row_elements * (key.element_size() + value.element_size() + 2 * key_cache.element_size())
+            + tensor_bytes(slot_mapping, k_scale, v_scale))
+
+
+def _attention_cost_bytes(a, out) -> int:
+    q_lens, kv_lens = _lengths(a)
+    cache = attention_bytes(a.query.shape[1], a.key_cache.shape[2], a.query.shape[2], q_lens, kv_lens,
+                            a.query.element_size(), a.key_cache.element_size(), a.sliding_window)
+    scales = tensor_bytes(a.k_scale, a.v_scale)
+    if a.key is None:
+        return cache + scales
+    return cache + _write_bytes(a.key, a.value, a.key_cache, a.slot_mapping, a.k_scale, a.v_scale)
+
+
+register_cost(ragged_paged_attention_op, bytes=_attention_cost_bytes,
+              flops=lambda a, out: attention_flops(a.query.shape[1], a.query.shape[2], *_lengths(a), a.sliding_window))
+register_cost(reshape_and_cache_op, flops=lambda a, out: 0,  # a copy
+              bytes=lambda a, out: _write_bytes(a.key, a.value, a.key_cache, a.slot_mapping, a.k_scale, a.v_scale))
 
 
 def _check_tensors(**tensors) -> None:

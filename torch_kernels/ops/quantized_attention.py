@@ -29,10 +29,9 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import register_flop_formula
 
 from .. import _checks, backends
-from .._library import define
+from .._library import define, io_bytes, register_cost
 from ..reference import quantized_attention as reference
 
 OP = "quantized_attention"
@@ -246,18 +245,15 @@ def quantized_attention_bytes(num_q_heads: int, num_kv_heads: int, head_size: in
     return inputs_and_output + 4 * tokens_q * num_q_heads
 
 
-@register_flop_formula(quantized_attention_op.overloadpacket, get_raw=True)
-def _forward_flops(q, k, v, sm_scale, causal=False, granularity="per_block", pv_dtype="fp16", smooth_k=True,
-                   cu_seqlens_q=None, cu_seqlens_k=None, *args, out_val=None, **kwargs) -> int:
-    return quantized_attention_flops(q.shape[1], q.shape[3], _lengths(q, k, cu_seqlens_q, cu_seqlens_k), causal)
+def _forward_flops(a, out) -> int:
+    return quantized_attention_flops(a.q.shape[1], a.q.shape[3], _lengths(a.q, a.k, a.cu_seqlens_q, a.cu_seqlens_k),
+                                     a.causal)
 
 
-@register_flop_formula(quantized_attention_backward_op.overloadpacket, get_raw=True)
-def _backward_flops(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q=None, cu_seqlens_k=None, *args,
-                    out_val=None, **kwargs) -> int:
-    # recompute QK^T, then dV, dP, dQ, dK: five products to the forward's two (FlashAttention-2's 2.5x)
-    return 5 * quantized_attention_flops(q.shape[1], q.shape[3], _lengths(q, k, cu_seqlens_q, cu_seqlens_k),
-                                         causal) // 2
+# q, k, v (and the offsets) read once, the outputs written: quantized_attention_bytes, for the forward
+register_cost(quantized_attention_op, flops=_forward_flops, bytes=io_bytes)
+# recompute QK^T, then dV, dP, dQ, dK: five products to the forward's two (FlashAttention-2's 2.5x)
+register_cost(quantized_attention_backward_op, bytes=io_bytes, flops=lambda a, out: 5 * _forward_flops(a, out) // 2)
 
 
 # ---- public API ----
