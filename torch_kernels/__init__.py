@@ -14,6 +14,8 @@ from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
 from .ops.moe import MoEHandle, fused_moe, grouped_mm, moe_combine, moe_dispatch, router_topk
 from .ops.quantized_attention import quantized_attention, quantized_sdpa
 from . import ood
+from .profiling import calibrate_device, profile
+from .autotune import autotune
 
 
 def torchax_environment():
@@ -48,6 +50,9 @@ __all__ = [
     "quantized_attention",
     "quantized_sdpa",
     "ood",
+    "profile",
+    "calibrate_device",
     "torchax_environment",
+    "autotune",
 ]
 __version__ = "0.1.0"

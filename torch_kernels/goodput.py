@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import random
 import statistics
@@ -31,6 +30,8 @@ import sys
 import time
 
 import torch
+
+from ._cache import cache_dir
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "clinc150" / "data_full.json"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -79,8 +80,7 @@ def load_clinc150(sizes: Sizes, path: pathlib.Path = DATA) -> dict[str, list[str
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("TORCH_KERNELS_CACHE") or pathlib.Path.home() / ".cache" / "torch_kernels"
-    return pathlib.Path(root) / "features"
+    return cache_dir("features")
 
 
 def _scorers(train: torch.Tensor, sizes: Sizes, progress: bool) -> dict[str, tuple[object, float]]:

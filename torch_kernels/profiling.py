@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import _library, backends
+from ._cache import cache_dir
 
 __all__ = ["profile", "calibrate_device", "DevicePeaks", "device_name"]
 
@@ -76,8 +77,7 @@ def _cpu_model() -> str:
 
 
 def _cache_path() -> pathlib.Path:
-    root = os.environ.get("TORCH_KERNELS_CACHE") or pathlib.Path.home() / ".cache" / "torch_kernels"
-    return pathlib.Path(root) / CACHE_FILE
+    return cache_dir(CACHE_FILE)
 
 
 def _read_cache(path: pathlib.Path) -> dict:

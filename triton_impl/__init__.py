@@ -92,13 +92,17 @@ def compile_for(kernel, signature: dict, constexprs: dict, arch: int = 90, num_w
 
 def resource_usage(compiled) -> dict:
     """What a kernel from :func:`compile_for` needs per launch: ``shared`` bytes per block (from
-    Triton's metadata), ``registers`` per thread and ``stack`` bytes per thread, where ptxas puts
-    spilled registers (from the cubin, read by the ``cuobjdump`` that ships with Triton)."""
+    Triton's metadata); ``registers`` per thread and ``stack`` bytes per thread, where ptxas puts
+    spilled registers (from the cubin, read by the ``cuobjdump`` that ships with Triton); and
+    ``spill_stores``, ``spill_loads``, the bytes of spill instructions per thread (from ``ptxas -v``
+    run again on the PTX with the options Triton built it with, where the stack is not empty: with
+    no stack frame there is nowhere to spill to)."""
     import re
     import subprocess
     import tempfile
 
     from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -106,4 +110,20 @@ def resource_usage(compiled) -> dict:
         report = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name], check=True,
                                 capture_output=True, text=True).stdout
     usage = re.search(r"REG:(\d+) STACK:(\d+)", report)
-    return {"shared": compiled.metadata.shared, "registers": int(usage[1]), "stack": int(usage[2])}
+    found = {"shared": compiled.metadata.shared, "registers": int(usage[1]), "stack": int(usage[2]),
+             "spill_stores": 0, "spill_loads": 0}
+    if found["stack"]:
+        arch = compiled.metadata.target.arch
+        options = ["-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}"]
+        if not compiled.metadata.enable_fp_fusion:
+            options.append("--fmad=false")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            log = subprocess.run([get_ptxas(arch).path, *options, ptx.name, "-o", "/dev/null"], check=True,
+                                 capture_output=True, text=True).stderr
+        if int(re.search(r"Used (\d+) registers", log)[1]) != found["registers"]:
+            raise RuntimeError(f"ptxas -v did not reproduce the build of {compiled.metadata.name}")
+        stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
+        found.update(spill_stores=int(stores), spill_loads=int(loads))
+    return found

@@ -11,7 +11,8 @@ are in ``torch_kernels.reference.linear_attention``: per chunk of ``C = 64`` ste
 Chunked forward (three launches; ``beta=None`` skips the WY step, ``W = V``):
 
 1. ``wy_kernel``: ``T = (I + strict_lower(diag(beta) D * K K^T))^-1`` by forward substitution on
-   its four 16x16 diagonal blocks (all four at once) and a block merge by four ``tl.dot``s; then
+   its four 16x16 diagonal blocks (all four at once, a row of each per ``[C, C]`` dot) and a block
+   merge by four ``tl.dot``s; then
    ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K``, so that the effective values are
    ``W = U - Wk S0``.
 2. ``chunk_state_kernel``: one program per (sequence, value head, V block) walks the chunks: stores
@@ -67,12 +68,14 @@ always float32. Under the interpreter (CPU tensors) everything is float32, as it
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 
 import torch
 import triton
 import triton.language as tl
 
-from . import for_device
+from . import autotune, for_device
 
 CHUNK = 64
 SUB = 16  # the WY inverse's diagonal blocks (tl.dot's smallest tile)
@@ -104,22 +107,29 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     limits the tiles is registers: on sm_80 a warp holds a dot's operands over the whole depth of
     the product, twice over for float32 (tf32x3 splits each operand in two), and ptxas falls back
     to spilling nearly everything once a kernel wants far more than 255 registers. So: 32-wide K
-    blocks and 8 warps, V blocks of 64 for 16-bit inputs and 32 for float32 (16 in the kernel
-    holding two ``[C, C]`` sums and ``T``), one pipeline stage where a loop reads back what it
-    stored or holds the most. The interpreter, whose cost is per program and step, takes 64-wide
-    tiles. The recurrent form takes narrow V blocks on a GPU, for more programs.
+    blocks and 8 warps, V blocks of 64 for 16-bit inputs and 32 for float32 (16 in the kernels
+    holding two ``[C, C]`` sums and ``T``, or ``Q K^T`` and ``dS``), one pipeline stage where a
+    loop reads back what it stored or holds the most; for float32, 4 warps for the WY step (its
+    ``[C, C]`` tf32x3 operands spilled at 8) and 16-wide K blocks for ``dq``, ``dk``. The
+    interpreter, whose cost is per program and step, takes 64-wide tiles. The recurrent form
+    takes narrow V blocks on a GPU (16: more programs, and at 32 a float16 state of K = 128
+    spilled).
     """
     padded_v = max(16, triton.next_power_of_2(v_dim))
     if kernel == "recurrent":
-        return Config(block_v=min(64 if interpreted else 32, padded_v), num_warps=4, num_stages=2)
+        return Config(block_v=min(64 if interpreted else 16, padded_v), num_warps=4, num_stages=2)
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32}.get(kernel, 32 if wide else 64)
-    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad") else 2
-    return Config(block_v=min(block_v, padded_v), block_k=32, num_warps=8, num_stages=stages)
+    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32,
+               "chunk_state_backward": 16 if wide else 64}.get(kernel, 32 if wide else 64)
+    one_stage = ("chunk_state", "chunk_state_backward", "chunk_grad") + (("wy",) if wide else ())
+    stages = 1 if kernel in one_stage else 2
+    warps = 4 if wide and kernel == "wy" else 8  # float32 WY: tf32x3 operands of [C, C] tiles, replicated at 8
+    block_k = 16 if wide and kernel == "chunk_grad" else 32  # float32 dq, dk: 32 wide spilled on sm_80
+    return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -190,20 +200,18 @@ def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
 
 
 @triton.jit
-def _block_diagonal_inverse(a, NB: tl.constexpr, SB: tl.constexpr):
-    """The inverse of the block diagonal of ``I + a`` (``NB`` blocks of ``SB``; ``a [NB*SB, NB*SB]``
-    strictly lower): forward substitution in all blocks at once, one row of each per step."""
-    C: tl.constexpr = NB * SB
-    blocks = tl.arange(0, NB)
-    same = blocks[:, None, None, None] == blocks[None, None, :, None]
-    diag = tl.sum(tl.where(same, tl.reshape(a, [NB, SB, NB, SB]), 0.0), axis=2)  # [NB, SB, SB]
-    idx = tl.arange(0, SB)
-    x = tl.where(idx[None, :, None] == idx[None, None, :], 1.0, 0.0) + tl.zeros([NB, SB, SB], tl.float32)
-    for i in tl.static_range(1, SB):
-        coeff = tl.sum(tl.where(idx[None, :, None] == i, diag, 0.0), axis=1)  # row i of each block
-        row = tl.where(idx[None, :] == i, 1.0, 0.0) - tl.sum(coeff[:, :, None] * x, axis=1)
-        x = tl.where(idx[None, :, None] == i, row[:, None, :], x)
-    return tl.reshape(tl.where(same, tl.broadcast_to(x[:, :, None, :], [NB, SB, NB, SB]), 0.0), [C, C])
+def _block_diagonal_inverse(a, SB: tl.constexpr, C: tl.constexpr):
+    """The inverse of the block diagonal of ``I + a`` (blocks of ``SB``; ``a [C, C]`` strictly
+    lower): forward substitution in all blocks at once, row ``r`` of each block per step as one
+    ``[C, C]`` dot, so only 2D ``[C, C]`` tiles live in registers."""
+    idx = tl.arange(0, C)
+    diag = tl.where(idx[:, None] // SB == idx[None, :] // SB, a, 0.0)
+    eye = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    x = eye
+    for r in range(1, SB):
+        step = (idx % SB == r)[:, None]
+        x = tl.where(step, eye - _dot32(tl.where(step, diag, 0.0), x), x)
+    return x
 
 
 @triton.jit
@@ -230,12 +238,12 @@ def wy_kernel(
     g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     a = beta[:, None] * _decay(g, ok, ok, True, C) * kk
     # I + A = Lb (I + M) with Lb its block diagonal and M = Lb^-1 (the blocks below it), strictly
-    # block lower: with C / SB = 4 blocks M^4 = 0, so T = (I - M)(I + M^2) Lb^-1 exactly.
-    lb_inv = _block_diagonal_inverse(a, C // SB, SB)
+    # block lower: with C / SB = 4 blocks M^4 = 0, so T = (I - M + M^2 - M^3) Lb^-1 exactly,
+    # taken as Lb^-1 - M (Lb^-1 - M (Lb^-1 - M Lb^-1)) to keep few [C, C] tiles live.
     steps = tl.arange(0, C)
+    lb_inv = _block_diagonal_inverse(a, SB, C)
     m = _dot32(lb_inv, tl.where(steps[:, None] // SB > steps[None, :] // SB, a, 0.0))
-    eye = tl.where(steps[:, None] == steps[None, :], 1.0, 0.0)
-    t_inv = _dot32(_dot32(eye - m, eye + _dot32(m, m)), lb_inv)
+    t_inv = lb_inv - _dot32(m, lb_inv - _dot32(m, lb_inv - _dot32(m, lb_inv)))
     if STORE_T:
         _store_rows(t_ptr, t_inv, rows, ok, hv, HV, steps, steps < C, C)
     for k0 in range(0, K, BK):
@@ -470,7 +478,8 @@ def chunk_grad_kernel(
     q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
     dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, LOW: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr,
+    LOW: tl.constexpr,
 ):
     """``dq``, ``dk`` (per value head) of chunk ``program_id(0)``, value head ``program_id(1)``, K
     block ``program_id(2)`` (module docstring, step 6), and this K block's parts
@@ -512,12 +521,33 @@ def chunk_grad_kernel(
     q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
     k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
     # dP split into its diagonal and its strictly lower part: the products of that and of dA * D
-    # with Q and K give dq, dk and the pair terms of dL/db without any [C, C] product of Q and K
-    dp = _rows(dp_ptr, rows, ok, hv, HV, steps, steps < C, C)
-    dp_diag = tl.sum(tl.where(steps[:, None] == steps[None, :], dp, 0.0), axis=1)
-    dp = tl.where(steps[:, None] > steps[None, :], dp, 0.0)
-    dp_k = _dot(dp, k, LOW, DT)
-    dp_q = _dot(tl.trans(dp), q, LOW, DT)
+    # with Q and K give dq, dk and the pair terms of dL/db without any [C, C] product of Q and K.
+    # Each product is taken SB steps deep, reading the [C, SB] slices from memory: a [C, C] operand
+    # held whole spilled (tf32x3 doubles it; mma.sync holds the whole depth per warp)
+    dp_diag = tl.zeros([C], tl.float32)
+    dp_k = tl.zeros([C, BK], tl.float32)  # (dP strictly lower) K
+    dp_q = tl.zeros([C, BK], tl.float32)  # (dP strictly lower)^T Q
+    if DELTA:
+        beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
+        da_k = tl.zeros([C, BK], tl.float32)  # (dA * D) K
+        da_bk = tl.zeros([C, BK], tl.float32)  # (diag(beta) dA * D)^T K
+    for s0 in range(0, C, SB):
+        part_steps = s0 + tl.arange(0, SB)
+        part_rows = t0 + part_steps
+        part_ok = part_rows < end
+        below = steps[:, None] > part_steps[None, :]  # [C, SB]: (t, s) with s in this slice
+        above = part_steps[:, None] > steps[None, :]  # [SB, C]: (t, s) with t in this slice
+        k_part = _rows(k_ptr, part_rows, part_ok, kh, H, dims, k_ok, K)
+        dp_cols = _rows(dp_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C)
+        dp_diag += tl.sum(tl.where(steps[:, None] == part_steps[None, :], dp_cols, 0.0), axis=1)
+        dp_k += _dot(tl.where(below, dp_cols, 0.0), k_part, LOW, DT)
+        dp_rows = tl.where(above, _rows(dp_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
+        dp_q += _dot(tl.trans(dp_rows), _rows(q_ptr, part_rows, part_ok, kh, H, dims, k_ok, K), LOW, DT)
+        if DELTA:
+            beta_part = tl.load(beta_ptr + part_rows.to(tl.int64) * HV + hv, mask=part_ok, other=0.0)
+            da_k += _dot(_rows(da_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C), k_part, LOW, DT)
+            da_rows = _rows(da_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C)
+            da_bk += _dot(tl.trans(da_rows), k_part * beta_part[:, None], LOW, DT)
     dq = scale * exp_b[:, None] * do_s + dp_k + dp_diag[:, None] * k
     dk = dp_q + dp_diag[:, None] * q + end_decay[:, None] * w_ds
     # dL/db_t term by term: each is a pair (write s, read t > s) carrying its decay, or a read of
@@ -525,10 +555,6 @@ def chunk_grad_kernel(
     # state's last row cancel exactly and are left out)
     db = scale * exp_b * tl.sum(q * do_s, axis=1) + tl.sum(q * dp_k, axis=1) - tl.sum(k * dp_q, axis=1)
     if DELTA:
-        beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
-        da = _rows(da_ptr, rows, ok, hv, HV, steps, steps < C, C)
-        da_k = _dot(da, k, LOW, DT)
-        da_bk = _dot(tl.trans(da), k * beta[:, None], LOW, DT)  # (diag(beta) dA * D)^T K
         dk += -(beta * exp_b)[:, None] * dr_s + beta[:, None] * da_k + da_bk
         dbeta = tl.sum(k * da_k, axis=1) - exp_b * tl.sum(k * dr_s, axis=1)
         tl.store(dbeta_ptr + part, dbeta, mask=ok)
@@ -707,6 +733,7 @@ class _Problem:
     cu: torch.Tensor  # [N + 1] int32
     q_raw: torch.Tensor | None  # float32 inputs before the l2 normalization (for its backward)
     k_raw: torch.Tensor | None
+    rerun: typing.Callable[[], object] | None = None  # the entry point again on the same inputs, for a tuner
 
     @property
     def num_seqs(self) -> int:
@@ -722,8 +749,15 @@ class _Problem:
         return _low_precision(self.q.dtype, self.q.device.type == "cpu")
 
     def config(self, kernel: str) -> Config:
-        _, _, _, k_dim, v_dim = self.shape
-        return default_config(kernel, k_dim, v_dim, self.q.dtype, interpreted=self.q.device.type == "cpu")
+        """``kernel``'s config: tuned or cached per device (``triton_impl.autotune``), else the heuristic."""
+        tokens, heads, value_heads, k_dim, v_dim = self.shape
+        sizes = (kernel, k_dim, v_dim, self.q.dtype, self.q.device.type == "cpu")
+        if self.rerun is None:
+            return default_config(*sizes)
+        key = dict(tokens=tokens, seqs=self.num_seqs, heads=heads, value_heads=value_heads, k=k_dim, v=v_dim,
+                   dtype=self.q.dtype, gated=self.g is not None, delta=self.beta is not None)
+        return autotune.choose(f"linear_attention.{kernel}", self.q.device, key, lambda: default_config(*sizes),
+                               lambda: config_space(*sizes), self.rerun)
 
     def launch(self, kernel, config: Config, grid, *args, **flags):
         """``kernel`` on ``grid`` with ``config``, this problem's sizes and ``flags``."""
@@ -759,6 +793,16 @@ def _l2_normalize_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     inv = torch.rsqrt(x.square().sum(-1, keepdim=True) + EPS)
     unit = x * inv
     return inv * (grad - unit * (unit * grad).sum(-1, keepdim=True))
+
+
+def config_space(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False) -> list[Config]:
+    """The configs an autotuner may try (``triton_impl.autotune``; arguments as :func:`default_config`):
+    the heuristic's, then V blocks of 16 to 64 (no wider than V), K steps of 32 or 64, 4 or 8 warps,
+    1 or 2 stages. A config out of shared memory fails to launch and is skipped."""
+    padded_v = _padded(v_dim)
+    return autotune.space(default_config(kernel, k_dim, v_dim, dtype, interpreted),
+                          lambda config: config.block_v <= padded_v, block_v=(16, 32, 64),
+                          block_k=(64,) if kernel == "recurrent" else (32, 64), num_warps=(4, 8), num_stages=(1, 2))
 
 
 def _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm) -> _Problem:
@@ -830,6 +874,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     float32)``. Contract: ``torch_kernels.ops.linear_attention`` (``beta=None``: gated linear
     attention; ``g=None``: no decay)."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    x.rerun = functools.partial(chunk_forward, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     _, w, _, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
     o = torch.empty_like(x.v)
@@ -860,6 +905,8 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     """The chunked kernels' backward: ``(dq, dk, dv, dg, dbeta, dh0)`` (float32; None for an absent
     ``g``, ``beta`` or ``initial_state``), chunk states recomputed from the inputs."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    x.rerun = functools.partial(chunk_backward, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     delta = x.beta is not None
@@ -917,6 +964,7 @@ def _recurrent(x: _Problem, mode: int, scale: float, out=None, ht=None, do=None,
 def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
     """The step-by-step kernel's forward; contract as :func:`chunk_forward`."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    x.rerun = functools.partial(recurrent_forward, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     o = torch.empty_like(x.v)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, dtype=torch.float32, device=x.q.device)
@@ -928,6 +976,8 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     """The step-by-step kernels' backward (replay, backward walk, replay; module docstring);
     returns as :func:`chunk_backward`."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    x.rerun = functools.partial(recurrent_backward, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     config = x.config("recurrent")  # the replays' and the walk's parts are summed over the same V blocks

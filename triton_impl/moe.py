@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import for_device
+from . import autotune, for_device
 
 MAX_EXPERTS = 1024  # the tile lookup and the router hold all experts in one program's registers
 MAX_TOP_K = 64
@@ -502,11 +502,38 @@ def _scale_mode(quantized: bool, block_shape, block_k: int):
     return SCALE_ELEMENT, scale_bn, scale_bk, block_k
 
 
+def config_space(kernel: str, rows: int, n: int, k: int, num_experts: int, dtype: torch.dtype) -> list[Config]:
+    """The configs an autotuner may try for a GEMM kernel (``triton_impl.autotune``; arguments as
+    :func:`default_config`): the heuristic's, then half, the same or twice its row tile (16 to
+    128), 64 or 128 columns, K steps of 64 or 128 (32 or 64 for float32, whose tiles stop at 64 x
+    64), 4 or 8 warps, the heuristic's stages. A config out of shared memory fails to launch and
+    is skipped."""
+    default = default_config(kernel, rows, n, k, num_experts, dtype)
+    wide = dtype == torch.float32
+    limit = 64 if wide else 128
+    block_m = (32, 64) if kernel == "weight_grad" else \
+        sorted({m for m in (default.block_m // 2, default.block_m, default.block_m * 2) if 16 <= m <= limit})
+    return autotune.space(default, lambda config: config.block_n <= min(limit, _pow2(n)) and config.block_k <= _pow2(k),
+                          block_m=block_m, block_n=(64, 128), block_k=(32, 64) if wide else (64, 128),
+                          num_warps=(4, 8))
+
+
+def _choose(name: str, kernel: str, tensor: torch.Tensor, run, rows: int, n_dim: int, k_dim: int, num_experts: int,
+            dtype: torch.dtype, **variant) -> Config:
+    """The config of GEMM ``kernel``'s launch ``name``: tuned or cached per device
+    (``triton_impl.autotune``), else the heuristic; ``variant``: what else its key holds."""
+    sizes = (kernel, rows, n_dim, k_dim, num_experts, dtype)
+    return autotune.choose(f"moe.{name}", tensor.device,
+                           dict(rows=rows, n=n_dim, k=k_dim, experts=num_experts, dtype=dtype, **variant),
+                           lambda: default_config(*sizes), lambda: config_space(*sizes), run)
+
+
 def _gemm_setup(kernel: str, rows: int, n_dim: int, k_dim: int, num_experts: int, dtype: torch.dtype,
-                interpreted: bool, quantized: bool = False, block_shape=None, **flags):
+                interpreted: bool, quantized: bool = False, block_shape=None, config: Config | None = None, **flags):
     """``(config, row tiles, constexprs)`` of a ``grouped_mm_kernel`` ("grouped_mm") or
-    ``gate_up_kernel`` ("gate_up"; ``n_dim`` is I) launch; ``flags``: that kernel's own constexprs."""
-    config = default_config(kernel, rows, n_dim, k_dim, num_experts, dtype)
+    ``gate_up_kernel`` ("gate_up"; ``n_dim`` is I) launch at ``config`` (None: the heuristic);
+    ``flags``: that kernel's own constexprs."""
+    config = config or default_config(kernel, rows, n_dim, k_dim, num_experts, dtype)
     scale, scale_bn, scale_bk, block_k = _scale_mode(quantized, block_shape, config.block_k)
     segments = num_experts + bool(flags.get("TAIL", False))
     # weights dequantized one by one would round to 16 bits before the dot: those dot in float32
@@ -516,8 +543,9 @@ def _gemm_setup(kernel: str, rows: int, n_dim: int, k_dim: int, num_experts: int
     return config, _row_tiles(rows, segments, config.block_m), constexprs
 
 
-def _weight_grad_setup(rows: int, n_dim: int, k_dim: int, num_experts: int, dtype: torch.dtype, interpreted: bool):
-    config = default_config("weight_grad", rows, n_dim, k_dim, num_experts, dtype)
+def _weight_grad_setup(rows: int, n_dim: int, k_dim: int, num_experts: int, dtype: torch.dtype, interpreted: bool,
+                       config: Config | None = None):
+    config = config or default_config("weight_grad", rows, n_dim, k_dim, num_experts, dtype)
     return config, dict(BM=config.block_m, BN=config.block_n, BK=config.block_k,
                         LOW=_low_precision(dtype, interpreted), INTERPRETED=interpreted)
 
@@ -597,8 +625,11 @@ def grouped_mm(x, w, offsets, out_dtype, w_transposed):
     out = torch.empty(rows, n_dim, dtype=out_dtype, device=x.device)
     if rows == 0 or n_dim == 0:
         return out
+    config = _choose("grouped_mm", "grouped_mm", x, lambda: grouped_mm(x, w, offsets, out_dtype, w_transposed),
+                     rows, n_dim, k_dim, num_experts, x.dtype, transposed=w_transposed, out=out_dtype)
     config, row_tiles, constexprs = _gemm_setup("grouped_mm", rows, n_dim, k_dim, num_experts, x.dtype,
-                                                _interpreted(x), W_KN=not w_transposed, TAIL=True, ROUTED=False, KP=2)
+                                                _interpreted(x), config=config, W_KN=not w_transposed, TAIL=True,
+                                                ROUTED=False, KP=2)
     _launch(grouped_mm_kernel, x, (row_tiles * triton.cdiv(n_dim, config.block_n),), config,
             x, w, out, offsets, x, offsets, offsets, x, rows, n_dim, k_dim, num_experts, row_tiles, 1, **constexprs)
     return out
@@ -612,7 +643,10 @@ def grouped_mm_weight_grad(x, dy, offsets, num_experts, out_dtype):
     out = torch.empty(num_experts, k_dim, n_dim, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
-    config, constexprs = _weight_grad_setup(x.shape[0], n_dim, k_dim, num_experts, x.dtype, _interpreted(x))
+    config = _choose("weight_grad", "weight_grad", x,
+                     lambda: grouped_mm_weight_grad(x, dy, offsets, num_experts, out_dtype),
+                     x.shape[0], n_dim, k_dim, num_experts, x.dtype, out=out_dtype)
+    config, constexprs = _weight_grad_setup(x.shape[0], n_dim, k_dim, num_experts, x.dtype, _interpreted(x), config)
     grid = (triton.cdiv(k_dim, config.block_k) * triton.cdiv(n_dim, config.block_n), num_experts)
     _launch(weight_grad_kernel, x, grid, config, x, dy, out, offsets, k_dim, n_dim, **constexprs)
     return out
@@ -635,14 +669,19 @@ def fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets, activatio
     rows = token_of_row.shape[0]
     interpreted = _interpreted(x)
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    rerun = lambda: fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets, activation,  # noqa: E731
+                              w13_scale, w2_scale, block_shape)
+    variant = dict(weights=w13.dtype, block_shape=block_shape)
+    config = _choose("fused_gate_up", "gate_up", x, rerun, rows, inter, hidden, num_experts, x.dtype, **variant)
     config, row_tiles, constexprs = _gemm_setup("gate_up", rows, inter, hidden, num_experts, x.dtype, interpreted,
-                                                quantized, block_shape, ACTIVATION=ACTIVATIONS[activation])
+                                                quantized, block_shape, config, ACTIVATION=ACTIVATIONS[activation])
     _launch(gate_up_kernel, x, (row_tiles * triton.cdiv(inter, config.block_n),), config,
             x, w13, h, offsets, w13_scale if quantized else x, token_of_row, rows, inter, hidden, num_experts,
             row_tiles, **constexprs)
     y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)  # rows past offsets[-1]: never read
+    config = _choose("fused_down", "grouped_mm", x, rerun, rows, hidden, inter, num_experts, x.dtype, **variant)
     config, row_tiles, constexprs = _gemm_setup("grouped_mm", rows, hidden, inter, num_experts, x.dtype, interpreted,
-                                                quantized, block_shape, W_KN=False, TAIL=False, ROUTED=True,
+                                                quantized, block_shape, config, W_KN=False, TAIL=False, ROUTED=True,
                                                 KP=_pow2(top_k, 2))
     _launch(grouped_mm_kernel, x, (row_tiles * triton.cdiv(hidden, config.block_n),), config,
             h, w2, y, offsets, w2_scale if quantized else x, token_of_row, row_of_slot, weights, rows, hidden, inter,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import for_device
+from . import autotune, for_device
 
 MAX_CLASSES = 256  # the class dot products live in registers: [BLOCK_B, BLOCK_C] floats
 
@@ -32,11 +32,15 @@ class Config:
 def default_config(b: int, d: int, c: int) -> Config:
     """Heuristic: narrower row blocks when many classes share the registers; 32-wide whitening
     tiles, 16 wide under many classes (the class dot goes through FMAs over a whole ``BLOCK_N``):
-    64-wide ones spilled (ptxas fell back to 32 registers at 150 classes)."""
+    64-wide ones spilled (ptxas fell back to 32 registers at 150 classes). Compiled for sm_80 and
+    sm_90 (benchmarks/results/compiled_kernels.md) none spills: 64-row blocks take 8 warps (4
+    spilled up to 208 bytes for float32 x), many classes 16-deep K steps (32 spilled 76)."""
     small = max(16, triton.next_power_of_2(d))
     if c > 64:
-        return Config(block_b=32, block_n=min(16, small), block_k=min(32, small), num_warps=8)
-    return Config(block_b=64 if b > 32 else 16, block_n=min(32, small), block_k=min(32, small), num_warps=4)
+        return Config(block_b=32, block_n=min(16, small), block_k=min(16, small), num_warps=8)
+    wide = b > 32
+    return Config(block_b=64 if wide else 16, block_n=min(32, small), block_k=min(32, small),
+                  num_warps=8 if wide else 4)
 
 
 @triton.jit
@@ -103,6 +107,16 @@ def dot_in_float32(dtype: torch.dtype, interpreted: bool = False) -> bool:
     return interpreted or dtype != torch.bfloat16
 
 
+def config_space(b: int, d: int, c: int) -> list[Config]:
+    """The configs an autotuner may try (``triton_impl.autotune``): the heuristic's, then row
+    blocks of 16 to 128 while the class dot products stay within 32 x 256 floats, 16- and 32-wide
+    tiles (64 spilled), 4 or 8 warps."""
+    small, classes = max(16, triton.next_power_of_2(d)), block_classes(c)
+    return autotune.space(default_config(b, d, c), lambda config: config.block_b * classes <= 32 * 256
+                          and max(config.block_n, config.block_k) <= small,
+                          block_b=(16, 32, 64, 128), block_n=(16, 32), block_k=(16, 32), num_warps=(4, 8))
+
+
 def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | None = None):
     """The fused kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
 
@@ -118,7 +132,9 @@ def mahalanobis_min(x, center, whitener, class_proj, class_sq, config: Config | 
         raise NotImplementedError(f"triton: at most {MAX_CLASSES} classes, got {c}")
     dot_f32 = dot_in_float32(x.dtype, interpreted=x.device.type == "cpu")
     whitener = whitener.to(torch.float32 if dot_f32 else x.dtype).contiguous()
-    config = config or default_config(b, d, c)
+    config = config or autotune.choose(
+        "ood.mahalanobis_min", x.device, dict(b=b, d=d, c=c, dtype=x.dtype), lambda: default_config(b, d, c),
+        lambda: config_space(b, d, c), lambda: mahalanobis_min(x, center, whitener, class_proj, class_sq))
     score = torch.empty(b, dtype=torch.float32, device=x.device)
     nearest = torch.empty(b, dtype=torch.int64, device=x.device)
     kernel = for_device(mahalanobis_min_kernel, x.device)
@@ -323,6 +339,15 @@ def edm_score_kernel(
     tl.store(score_ptr + rows, total, mask=row_mask)
 
 
+def edm_config_space(d: int, h: int) -> list[EDMConfig]:
+    """The configs an autotuner may try: the heuristic's, then 16 or 32 rows per program, 32- and
+    64-wide tiles no wider than the problem, 4 or 8 warps, one stage (three spilled)."""
+    small_d, small_h = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(h))
+    return autotune.space(edm_default_config(d, h), lambda config: config.block_d <= small_d
+                          and max(config.block_n, config.block_k) <= small_h,
+                          block_b=(16, 32), block_d=(32, 64), block_n=(32, 64), block_k=(32,), num_warps=(4, 8))
+
+
 def edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2, b2,
                      w_out, b_out, scoped, config: EDMConfig | None = None):
     """The fused kernel on CUDA/XPU tensors, or interpreted on CPU tensors.
@@ -334,7 +359,11 @@ def edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, lev
         raise NotImplementedError("triton: float64 inputs are not supported")
     b, d = x.shape
     h, k = w_in.shape[1], w1.shape[0]
-    config = config or edm_default_config(d, h)
+    config = config or autotune.choose(
+        "ood.edm_score", x.device, dict(b=b, d=d, h=h, scoped=scoped, dtype=x.dtype), lambda: edm_default_config(d, h),
+        lambda: edm_config_space(d, h),
+        lambda: edm_score_levels(x, mean, inv_scale, coefficients, noise, level_weights, level_bias, w_in, w1, b1, w2,
+                                 b2, w_out, b_out, scoped))
     programs = triton.cdiv(b, config.block_b)
     score = torch.empty(b, dtype=torch.float32, device=x.device)
     scratch = torch.empty(programs * 4 * config.block_b * h, dtype=torch.float32, device=x.device)

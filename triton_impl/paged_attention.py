@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import for_device
+from . import autotune, for_device
 
 # cache dtype -> how the kernels round a float32 value to it
 _CACHE_KINDS = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.int8: 1,
@@ -68,14 +68,16 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
     decode = num_tokens <= 2 * num_seqs
     rows = 16 if decode else (64 if head_size > 128 else 128)
     block_q = max(1, rows // rows_per_token)
-    block_n = 32 if head_size > 64 else 64  # 64 at head size 128 spilled 1-2 KB per thread (ptxas -v)
+    # 64 at head size 128 spilled 1-2 KB per thread (ptxas -v); 32 at 256, up to 1 KB
+    block_n = 16 if head_size > 128 else 32 if head_size > 64 else 64
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     wanted = -(-2 * sm_count // max(1, programs))
     num_splits = triton.next_power_of_2(max(1, min(wanted, 16, -(-max_kv // (4 * block_n)))))
     # one stage past head size 128: two copies of float32 key and value tiles there exceed an A100
-    # block's shared memory (167,936 of 166,912 bytes at 256)
-    return Config(block_q=block_q, block_n=block_n, num_splits=num_splits,
-                  num_warps=4 if rows * head_size <= 16 * 128 else 8, num_stages=1 if head_size > 128 else 2)
+    # block's shared memory (167,936 of 166,912 bytes at 256). Eight warps: with four, decode tiles
+    # spilled up to 1.4 KB per thread (float32) at head sizes 64 and 128 (compiled_kernels.md).
+    return Config(block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=8,
+                  num_stages=1 if head_size > 128 else 2)
 
 
 @triton.jit
@@ -218,6 +220,14 @@ def _widen(entries, dtype, FIX_FP8_SPECIALS: tl.constexpr):
 
 
 @triton.jit
+def _qk(q, k, DOT_F32: tl.constexpr):
+    """``q k^T`` in float32: tf32x3 for float32 operands, else in their dtype."""
+    if DOT_F32:
+        return tl.dot(q, tl.trans(k), input_precision="tf32x3")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW: tl.constexpr):
     seen = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
     if HAS_WINDOW:
@@ -226,15 +236,21 @@ def _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
+def _attend_tiles(q, q_ptrs, q_mask, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head,
+                  dims, d_ok,
                   key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
                   k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window,
                   ROWS: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr,
-                  FIX_FP8_SPECIALS: tl.constexpr, EXACT: tl.constexpr):
+                  FIX_FP8_SPECIALS: tl.constexpr, EXACT: tl.constexpr, QK_CHUNK: tl.constexpr):
     """Online softmax of the rows over key tiles ``[tile_lo, tile_hi)``: (row_max, row_sum, acc,
     row_bad).
+
+    The logits take the query tile ``q`` whole where ``QK_CHUNK == DP``; else they are summed over
+    ``QK_CHUNK``-wide slices of the head, each slice of the query (at ``q_ptrs`` where ``q_mask``,
+    read again from L1 per tile) and of the keys loaded for its own product: at head size 256
+    whole query and key tiles held as dot operands spilled registers.
 
     The NaN policy in two passes. The fast pass (EXACT False) checks nothing per tile: a NaN or
     inf in the query or in any entry of the range, seen or not, reaches every row's sums and
@@ -243,6 +259,7 @@ def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_
     cap, which would make an inf finite). Only when the caller finds that does the exact pass
     run, with the bad query rows zeroed and flagged: it reads the positions whose key or value
     holds a NaN or inf as zeros and flags in ``row_bad`` the rows that see one."""
+    dot_dtype = tl.float32 if DOT_F32 else q_ptrs.dtype.element_ty
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DP], tl.float32)
@@ -256,27 +273,41 @@ def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_
         v_entry = page * v_strides[0] + offset * v_strides[1] + kv_head * v_strides[2]
         is_new = kv_pos >= context
         new_row = q_begin + kv_pos - context
-        k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, kv_ok, is_new, kv_head, dims, d_ok,
-                               HKV, D, FUSED, CACHE_KIND)
+        if QK_CHUNK == DP:
+            k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, kv_ok, is_new, kv_head, dims,
+                                   d_ok, HKV, D, FUSED, CACHE_KIND)
         v_entries = _load_keys(value_cache_ptr, value_ptr, v_scale, v_entry, new_row, kv_ok, is_new, kv_head, dims,
                                d_ok, HKV, D, FUSED, CACHE_KIND)
-        k = _widen(k_entries, q.dtype, FIX_FP8_SPECIALS)
-        v = _widen(v_entries, q.dtype, FIX_FP8_SPECIALS)
+        if QK_CHUNK == DP:
+            k = _widen(k_entries, dot_dtype, FIX_FP8_SPECIALS)
+        v = _widen(v_entries, dot_dtype, FIX_FP8_SPECIALS)
         seen = _visible(kv_pos, q_pos, kv_ok, sliding_window, HAS_WINDOW)
+        keep = kv_ok
         if EXACT and CACHE_KIND != 1:  # int8 entries are always finite
+            if QK_CHUNK != DP:
+                k_entries = _load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, kv_ok, is_new, kv_head,
+                                       dims, d_ok, HKV, D, FUSED, CACHE_KIND)
+                k = _widen(k_entries, dot_dtype, FIX_FP8_SPECIALS)
             bad = _bad_positions(k_entries, v_entries, k, v, CACHE_KIND) != 0
             row_bad = row_bad | (tl.max(tl.where(seen & bad[None, :], 1, 0), axis=1) != 0)
             # loaded again without those positions (zeros): a select on the loaded tiles would
             # cost shared memory for the whole kernel
             keep = kv_ok & ~bad
             k = _widen(_load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, keep, is_new, kv_head, dims,
-                                  d_ok, HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
+                                  d_ok, HKV, D, FUSED, CACHE_KIND), dot_dtype, FIX_FP8_SPECIALS)
             v = _widen(_load_keys(value_cache_ptr, value_ptr, v_scale, v_entry, new_row, keep, is_new, kv_head, dims,
-                                  d_ok, HKV, D, FUSED, CACHE_KIND), q.dtype, FIX_FP8_SPECIALS)
-        if DOT_F32:
-            logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+                                  d_ok, HKV, D, FUSED, CACHE_KIND), dot_dtype, FIX_FP8_SPECIALS)
+        if QK_CHUNK == DP:
+            logits = _qk(q, k, DOT_F32)
         else:
-            logits = tl.dot(q, tl.trans(k))
+            logits = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, DP, QK_CHUNK):
+                part = d0 + tl.arange(0, QK_CHUNK)
+                part_ok = part < D
+                q_part = tl.load(q_ptrs + d0, mask=q_mask & part_ok[None, :], other=0.0).to(dot_dtype)
+                k = _widen(_load_keys(key_cache_ptr, key_ptr, k_scale, k_entry, new_row, keep, is_new, kv_head, part,
+                                      part_ok, HKV, D, FUSED, CACHE_KIND), dot_dtype, FIX_FP8_SPECIALS)
+                logits += _qk(q_part, k, DOT_F32)
         raw_logits = logits * logit_scale
         logits = raw_logits
         if HAS_SOFT_CAP:
@@ -293,7 +324,7 @@ def _attend_tiles(q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_
         if DOT_F32:
             acc = acc * correction[:, None] + tl.dot(weights, v, input_precision="tf32x3")
         else:
-            acc = acc * correction[:, None] + tl.dot(weights.to(q.dtype), v)
+            acc = acc * correction[:, None] + tl.dot(weights.to(dot_dtype), v)
         row_max = new_max
     return row_max, row_sum, acc, row_bad
 
@@ -330,10 +361,15 @@ def paged_attention_kernel(
         q_pos = context + token - q_begin
         dims = tl.arange(0, DP)
         d_ok = dims < D
-        q = tl.load(q_ptr + (token.to(tl.int64)[:, None] * HQ + head[:, None]) * D + dims[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
+        q_rows = q_ptr + (token.to(tl.int64)[:, None] * HQ + head[:, None]) * D
+        q_mask = row_ok[:, None]
+        QK_CHUNK: tl.constexpr = 64 if DP > 128 else DP  # slices only help at 256 (at 128 they spilled more)
+        q_ptrs = q_rows + tl.arange(0, QK_CHUNK)[None, :]
+        q = q_ptrs  # (unused) sliced: read per slice in the loop
+        if QK_CHUNK == DP:
+            q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
 
         # key positions any row of this block sees, in whole tiles, split NUM_SPLITS ways
         last = context + tl.minimum(q_start + BLOCK_Q, q_end) - 1 - q_begin
@@ -353,22 +389,28 @@ def paged_attention_kernel(
         k_strides = (k_block_stride, k_slot_stride, k_head_stride)
         v_strides = (v_block_stride, v_slot_stride, v_head_stride)
         row_max, row_sum, acc, row_bad = _attend_tiles(
-            q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
-            key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
+            q, q_ptrs, q_mask, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims,
+            d_ok, key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
             k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV, D,
             BLOCK_SIZE, BLOCK_N,
-            HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, False)
+            HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, False, QK_CHUNK)
         # a NaN or inf in a real row's sums: the query or some tile holds one (rare), so redo exactly
         leaked = row_ok & ((row_sum * 0.0 + tl.sum(acc * 0.0, axis=1)) != 0.0)
         if tl.max(tl.where(leaked, 1, 0), axis=0) != 0:
             # rows whose query holds a NaN or inf end as NaN; zeroed, they keep the sums finite
-            row_bad = tl.max(tl.where(_is_finite(q), 0, 1), axis=1) != 0
-            q = tl.where(row_bad[:, None], tl.zeros_like(q), q)
+            if QK_CHUNK == DP:
+                row_bad = tl.max(tl.where(_is_finite(q), 0, 1), axis=1) != 0
+                q = tl.where(row_bad[:, None], tl.zeros_like(q), q)
+            else:
+                q_whole = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                row_bad = tl.max(tl.where(_is_finite(q_whole), 0, 1), axis=1) != 0
             row_max, row_sum, acc, row_bad = _attend_tiles(
-                q, q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo, tile_hi, kv_head, dims, d_ok,
+                q, q_ptrs, q_mask & ~row_bad[:, None], q_pos, row_bad, seq, context, q_begin, kv_len, first, tile_lo,
+                tile_hi, kv_head, dims, d_ok,
                 key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_table_ptr, block_table_stride,
                 k_strides, v_strides, k_scale, v_scale, logit_scale, soft_cap, sliding_window, BLOCK_Q * GP, DP, HKV,
-                D, BLOCK_SIZE, BLOCK_N, HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, True)
+                D, BLOCK_SIZE, BLOCK_N, HAS_SOFT_CAP, HAS_WINDOW, FUSED, CACHE_KIND, DOT_F32, FIX_FP8_SPECIALS, True,
+                QK_CHUNK)
 
         out_rows = token.to(tl.int64)[:, None] * HQ + head[:, None]
         mask = row_ok[:, None] & d_ok[None, :]
@@ -470,6 +512,21 @@ def writes_own_pages(cu_q_lens, kv_lens, block_table, slot_mapping, block_size: 
     return bool(((slot == slot_mapping).all() & (readers[slot // block_size] == 1).all()).item())
 
 
+def config_space(num_tokens: int, num_seqs: int, group: int, head_size: int, max_kv: int, num_kv_heads: int,
+                 sm_count: int) -> list[Config]:
+    """The configs an autotuner may try (``triton_impl.autotune``): the heuristic's, then 16 or 32
+    rows per program (decode) or 64 or 128 (prefill), 32 or 64 key positions a step, half, the
+    same or twice the heuristic's key-range splits, 4 or 8 warps; at least 16 rows (tl.dot's
+    smallest tile). A config out of shared memory fails to launch and is skipped."""
+    default = default_config(num_tokens, num_seqs, group, head_size, max_kv, num_kv_heads, sm_count)
+    rows_per_token = triton.next_power_of_2(group)
+    rows = (16, 32) if num_tokens <= 2 * num_seqs else (64, 128)
+    splits = {max(1, default.num_splits // 2), default.num_splits, min(16, 2 * default.num_splits)}
+    return autotune.space(default, lambda config: config.block_q * rows_per_token >= 16,
+                          block_q=sorted({max(1, r // rows_per_token) for r in rows}), block_n=(32, 64),
+                          num_splits=sorted(splits), num_warps=(4, 8))
+
+
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
                            config: Config | None = None):
@@ -490,8 +547,15 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
-    config = config or default_config(num_tokens, num_seqs, group, head_size,
-                                      block_table.shape[1] * block_size, num_kv_heads, _sm_count(query.device))
+    sizes = (num_tokens, num_seqs, group, head_size, block_table.shape[1] * block_size, num_kv_heads,
+             _sm_count(query.device))
+    config = config or autotune.choose(
+        "paged_attention.ragged_paged_attention", query.device,
+        dict(tokens=num_tokens, seqs=num_seqs, group=group, head_size=str(head_size), max_kv=sizes[4],
+             kv_heads=num_kv_heads, dtype=query.dtype, cache=key_cache.dtype, fused=fused),
+        lambda: default_config(*sizes), lambda: config_space(*sizes),
+        lambda: ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                                       sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping))
     splits = config.num_splits
     if splits > 1:
         partial_out = torch.empty(splits, num_tokens, num_q_heads, head_size, device=query.device)

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import for_device
+from . import autotune, for_device
 from .linear_attention import _dot  # a @ b in float32: 16-bit operands when LOW, else tf32x3
 from .paged_attention import _round_to_fp8_grid, _sequence_of
 
@@ -106,7 +106,7 @@ def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float
       P.V multiplies float32 (tf32x3: three products of split operands), 64 rows, 32 at head size 64;
     - backward: 64 x 64 tiles for dQ; for dK and dV, which hold K, V and two ``[64, D]`` float32
       accumulators, 32 query rows a step (64 spilled at head size 128); float32 inputs 16 x 32 and
-      16 x 16 (a few dozen bytes still spill at head size 128, where 32 x 32 spilled 200);
+      16 x 16 over 8 warps (four spilled up to 56 bytes at head size 128; 32 x 32 spilled 200);
     - the interpreter, whose cost is per program and step: blocks of up to 512 rows.
     """
     if kernel not in KERNELS:
@@ -122,7 +122,7 @@ def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float
     if interpreted:
         return Config(block_m=_interpreted_block(num_q, 64), block_n=_interpreted_block(num_k, 64), num_stages=1)
     if wide:
-        return Config(block_m=16, block_n=32 if kernel == "backward_dq" else 16, num_warps=4, num_stages=1)
+        return Config(block_m=16, block_n=32 if kernel == "backward_dq" else 16, num_warps=8, num_stages=1)
     return Config(block_m=64 if kernel == "backward_dq" else 32, block_n=64, num_warps=4 if head_size <= 64 else 8,
                   num_stages=2)
 
@@ -589,6 +589,27 @@ def _p_dtype(pv_dtype: str, dtype: torch.dtype):
     return _P_DTYPES.get(pv_dtype) or _TL_DTYPES[dtype]
 
 
+def config_space(kernel: str, head_size: int, dtype: torch.dtype = torch.float16, pv_dtype: str = "fp16",
+                 interpreted: bool = False, num_q: int = 0, num_k: int = 0) -> list[Config]:
+    """The configs an autotuner may try (``triton_impl.autotune``): the heuristic's, then for the
+    forward 32 to 128 query rows (key rows stay the reference's tile), 4 or 8 warps, 1 or 2
+    stages; for the backward 16 to 64 rows of each, 4 or 8 warps."""
+    default = default_config(kernel, head_size, dtype, pv_dtype, interpreted, num_q, num_k)
+    if kernel == "forward":
+        return autotune.space(default, block_m=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
+    return autotune.space(default, block_m=(16, 32, 64), block_n=(16, 32, 64), num_warps=(4, 8))
+
+
+def _choose(kernel: str, q, run, key: dict, *heuristic_args) -> Config:
+    """``kernel``'s config for this launch: tuned or cached per device (``triton_impl.autotune``),
+    else the heuristic (``default_config(kernel, *heuristic_args)``)."""
+    batch, heads, num_q, head_size = q.shape
+    key = dict(batch=batch, heads=heads, nq=num_q, head_size=str(head_size), **key, dtype=q.dtype)
+    return autotune.choose(f"quantized_attention.{kernel}", q.device, key,
+                           lambda: default_config(kernel, *heuristic_args), lambda: config_space(kernel, *heuristic_args),
+                           run)
+
+
 def quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity, pv_dtype, cu_seqlens_q,
                         cu_seqlens_k, config: Config | None = None):
     """The forward on CUDA/XPU tensors, or interpreted on CPU tensors (module docstring).
@@ -600,7 +621,10 @@ def quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, gra
     batch, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     interpreted = _interpreted(q)
-    config = config or default_config("forward", d, q.dtype, pv_dtype, interpreted, nq)
+    config = config or _choose(
+        "forward", q, lambda: quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, granularity,
+                                                  pv_dtype, cu_seqlens_q, cu_seqlens_k),
+        dict(nk=nk, causal=causal, pv=pv_dtype), d, q.dtype, pv_dtype, interpreted, nq)
     if config.block_n != BLOCK_K:
         raise ValueError(f"config: the forward's block_n must be the reference's key tile {BLOCK_K}, "
                          f"got {config.block_n}")
@@ -645,9 +669,14 @@ def quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, 
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cu_q, num_seqs, varlen = _offsets(cu_seqlens_q, batch, nq, q.device)
     cu_k, _, _ = _offsets(cu_seqlens_k, batch, nk, q.device)
-    dq_config = configs[0] if configs else default_config("backward_dq", d, q.dtype, None, interpreted, nq, nk)
-    dkdv_config = configs[1] if configs else default_config("backward_dkdv", d, q.dtype, None, interpreted, nq,
-                                                                 nk)
+    if configs:
+        dq_config, dkdv_config = configs
+    else:
+        rerun = lambda: quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal,  # noqa: E731
+                                                     cu_seqlens_q, cu_seqlens_k)
+        key = dict(nk=nk, causal=causal)
+        dq_config = _choose("backward_dq", q, rerun, key, d, q.dtype, None, interpreted, nq, nk)
+        dkdv_config = _choose("backward_dkdv", q, rerun, key, d, q.dtype, None, interpreted, nq, nk)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     qk_scale = sm_scale * LOG2E
