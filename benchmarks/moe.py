@@ -1,6 +1,6 @@
 """Mixture of experts: grouped_mm TFLOP/s and fused_moe tokens/s at decode and prefill sizes.
 
-    python benchmarks/moe.py [--quick] [--device cpu|cuda] [--budget S] [--threads N]
+    python benchmarks/moe.py [--quick | --gpu] [--device cpu|cuda] [--budget S] [--threads N] [--out DIR]
 
 Sizes of Qwen3-30B-A3B (E 128, k 8, H 2048, I 768, softmax top-8) and DeepSeek-V3 (E 256, k 8,
 H 7168, I 2048, grouped sigmoid top-8 with a correction bias), decode (T = 1 to 256) and prefill
@@ -130,9 +130,12 @@ def real_case(model: Model, phase: str, t: int, backward: bool = True) -> Case:
     return Case(model, phase, t, model.experts, model.hidden, model.intermediate, backward)
 
 
-def build_cases(cuda: bool, quick: bool) -> list:
+def build_cases(cuda: bool, quick: bool, gpu: bool = False) -> list:
+    if gpu and not cuda:  # benchmarks/gpu.sh's dry run: every path once, tiny
+        return [Case(m, phase, t, 8, m.hidden // 32, m.intermediate // 32, phase == "prefill")
+                for m in (QWEN3, DEEPSEEK_V3) for phase, t in (("decode", 4), ("prefill", 32))]
     if cuda:  # the real sizes
-        decode, prefill = ((1, 64), (4 * K,)) if quick else ((1, 4, 16, 64, 256), (4 * K, 8 * K, 16 * K))
+        decode, prefill = ((1, 64), (4 * K,)) if quick or gpu else ((1, 4, 16, 64, 256), (4 * K, 8 * K, 16 * K))
         return [real_case(m, phase, t) for m in (QWEN3, DEEPSEEK_V3)
                 for phase, ts in (("decode", decode), ("prefill", prefill)) for t in ts]
     # CPU, 2 cores: the whole run in minutes. Backward only at prefill (training) sizes; Qwen3's
@@ -214,8 +217,18 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     weights, ids = torch_kernels.router_topk(randn(t, e, dtype=torch.float32), case.model.top_k,
                                              correction_bias=bias, implementation="reference", **router)
     rows, offsets, _ = torch_kernels.moe_dispatch(x, ids, e, implementation="reference")
-    return Inputs(x, w13, w2, weights, ids, rows, offsets, experts_module(case, w13, w2),
+    return Inputs(x, w13, w2, weights, ids, rows, offsets,
+                  experts_module(case, w13, w2) if transformers_note() is None else None,
                   nn.Parameter(w13.detach()[0].clone()))
+
+
+def transformers_note() -> str | None:
+    """Why transformers' experts (the block's baseline) are left out, or None when they import."""
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: F401
+    except Exception as e:  # ImportError, or a version that lacks it
+        return f"transformers' experts left out: {type(e).__name__}: {str(e)[:150]}"
+    return None
 
 
 # ------------------------------------------------------------------------------ implementations
@@ -261,14 +274,19 @@ def unfused(x: Inputs, backend: str):
 
 
 def block_paths(backend: str) -> list:
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
     leaves = ("x", "w13", "w2", "weights")
-    return [Path("transformers grouped_mm", lambda x: grouped_mm_experts_forward(x.module, x.x, x.ids, x.weights),
-                 leaves, baseline=True),
-            Path(f"ours fused_moe ({backend})", lambda x: torch_kernels.fused_moe(
-                x.x, x.w13, x.w2, x.weights, x.ids, implementation=backend), leaves),
-            Path(f"ours unfused ({backend})", lambda x: unfused(x, backend), leaves)]
+    # without transformers, ours fused is the baseline the unfused path is compared with
+    fused_baseline = transformers_note() is not None
+    paths = [Path(f"ours fused_moe ({backend})", lambda x: torch_kernels.fused_moe(
+                 x.x, x.w13, x.w2, x.weights, x.ids, implementation=backend), leaves, baseline=fused_baseline),
+             Path(f"ours unfused ({backend})", lambda x: unfused(x, backend), leaves)]
+    if not fused_baseline:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        paths.insert(0, Path("transformers grouped_mm",
+                             lambda x: grouped_mm_experts_forward(x.module, x.x, x.ids, x.weights), leaves,
+                             baseline=True))
+    return paths
 
 
 # -------------------------------------------------------------------------------------- timing
@@ -371,9 +389,9 @@ def run_case(case: Case, device: torch.device, backend: str, budget_s: float, sy
     return rows
 
 
-def square_matmul_rate(device: torch.device, budget_s: float, sync, quick: bool) -> dict:
+def square_matmul_rate(device: torch.device, budget_s: float, sync, quick: bool, tiny: bool = False) -> dict:
     """The device's bf16 matmul rate on one large square product, measured now."""
-    n = (8192 if device.type == "cuda" else 2048) // (2 if quick else 1)
+    n = 256 if tiny else (8192 if device.type == "cuda" else 2048) // (2 if quick else 1)
     a, b = (torch.randn(n, n, device=device, dtype=DTYPE) for _ in range(2))
     seconds = seconds_per_call(lambda: a @ b, budget_s, sync)
     return {"n": n, "TFLOPs": 2 * n ** 3 / seconds / 1e12}
@@ -490,7 +508,12 @@ def markdown(args, cases, rows, square, backend, runtime_s, load) -> str:
                           f"{c.rows / c.experts:.3g}", "yes" if c.backward else "no", c.scaling() or "real size"])
     out.append(markdown_table(["model", "case", "phase", "T", "E", "k", "H", "I", "rows per expert (mean)",
                                "fwd+bwd", "scaled down"], size_rows))
-    if quick:
+    if (note := transformers_note()) is not None:
+        out.append(f"\n{note}; the experts block's baseline is ours fused_moe.")
+    if args.gpu and device == "cpu":
+        out.append("\n--gpu on the CPU: benchmarks/gpu.sh's dry run at toy sizes (E 8, H and I a 32nd of the "
+                   "model's), a test of every path, not a measurement.")
+    elif quick:
         out.append("\n`*`: --quick runs toy sizes (E 16, H and I an eighth of the model's): a smoke test of every "
                    "path, not a measurement.")
     elif device == "cpu":
@@ -582,7 +605,10 @@ def plot(rows, cases, path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few small cases (a smoke test)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="benchmarks/gpu.sh's cases (with --device cpu: tiny, its dry run); writes -gpu files")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default on CPU: 1, steady on shared cores; on CUDA: torch's)")
@@ -598,14 +624,16 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads or 1)
     sync = torch.cuda.synchronize if cuda else None
     backend = "triton" if cuda else "reference"
-    args.budget_s = args.budget or (0.05 if args.quick else 0.2 if cuda else 0.3)
-    cases = build_cases(cuda, args.quick)
+    args.budget_s = args.budget or (0.05 if args.quick else 0.1 if args.gpu else 0.2 if cuda else 0.3)
+    if args.gpu and not cuda:
+        args.budget_s = args.budget or 0.01
+    cases = build_cases(cuda, args.quick, args.gpu)
 
     def log(line):
         print(line, flush=True)
 
     log(f"# moe benchmark: {machine_line()}, {device_name(args.device)}, bfloat16, ours on {backend}")
-    square = square_matmul_rate(device, args.budget_s, sync, args.quick)
+    square = square_matmul_rate(device, args.budget_s, sync, args.quick, tiny=args.gpu and not cuda)
     log(f"  bf16 matmul {square['n']}^3: {square['TFLOPs']:.3f} TFLOP/s")
     rows = []
     for case in cases:
@@ -613,8 +641,8 @@ def main(argv=None) -> int:
     load.append(os.getloadavg()[0])
     runtime = time.time() - start
     report = markdown(args, cases, rows, square, backend, runtime, load)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"moe{'-quick' if args.quick else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"moe{'-gpu' if args.gpu else '-quick' if args.quick else ''}"
     stem.with_suffix(".md").write_text(report)
     stem.with_suffix(".json").write_text(json.dumps({
         "machine": machine_line(), "device": device_name(args.device), "dtype": str(DTYPE), "backend": backend,

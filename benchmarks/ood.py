@@ -1,6 +1,7 @@
 """OOD scoring (Mahalanobis and EDM): throughput, fit time, CLINC150 detection quality, mechanism overhead.
 
     python benchmarks/ood.py [--quick] [--clinc DIR] [--budget S] [--edm-seeds N]
+    python benchmarks/ood.py --gpu [--device cpu|cuda] [--out DIR]   # benchmarks/gpu.sh's run
 
 Writes ``benchmarks/results/ood.md`` (tables), ``ood.json`` and ``ood.png``. Every figure in one
 table comes from the same run. On a CPU machine the triton backend runs under the Triton
@@ -298,6 +299,67 @@ def plot(rows, dims, batch_sizes, mech_rows, path):
     fig.savefig(path, dpi=110)
 
 
+# ------------------------------------------------------------------------------- the GPU run
+
+
+def gpu_main(args) -> int:
+    """benchmarks/gpu.sh's OOD run: both scoring ops on ``args.device``, reference and triton, on
+    random inputs (``torch_kernels.selftest``'s makers: a whitener, an EDM denoiser of width 512),
+    rows/s and GFLOP/s; no peers, fits or CLINC150 (they need scikit-learn and sentence-transformers,
+    which a GPU machine may lack). On the CPU, tiny: the script's dry run. Writes ``ood-gpu.*``."""
+    from torch_kernels import selftest
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+        return 2
+    sync = torch.cuda.synchronize if cuda else None
+    dims, batch_sizes = ((384, 1024, 4096), (1, 64, 4096)) if cuda else ((32,), (1, 16))
+    width, blocks, levels = (512, 2, 4) if cuda else (32, 1, 2)
+    budget = args.budget or (0.1 if cuda else 0.01)
+    print(f"# ood benchmark (--gpu): {machine_line()}, {device}", flush=True)
+    rows = []
+    for d in dims:
+        gen = torch.Generator().manual_seed(d)
+        x, means, whitener = selftest.mahalanobis_inputs(gen, torch.float32, device, b=max(batch_sizes), d=d, c=1)
+        _, *edm_params = selftest.edm_inputs(gen, torch.float32, device, b=1, d=d, h=width, blocks=blocks,
+                                             levels=levels)
+        for b in batch_sizes:
+            ops = {"Mahalanobis": (lambda impl, xb=x[:b]: torch_kernels.mahalanobis_score(xb, means, whitener,
+                                                                                         implementation=impl),
+                                   ood_ops.score_flops(b, 1, d)),
+                   "EDM denoise": (lambda impl, xb=x[:b]: selftest._edm_run(xb, *edm_params, implementation=impl),
+                                   ood_ops.edm_score_flops(b, d, width, blocks, levels, False))}
+            for backend in ("reference", "triton"):
+                for name, (call, flops) in ops.items():
+                    with torch.no_grad():
+                        seconds = seconds_per_call(lambda: call(backend), budget, sync)
+                    rows.append({"impl": f"{name}, {backend}", "d": d, "b": b, "seconds": seconds,
+                                 "gflops": flops / seconds / 1e9})
+                    print(f"  D={d} B={b} {name}, {backend}: {seconds * 1e3:.3f} ms, {rows[-1]['gflops']:.1f} GFLOP/s",
+                          flush=True)
+    mech_rows = mechanism(budget)
+    report = "\n".join([
+        f"# OOD scoring on {device} (--gpu)\n\n{machine_line()}"
+        + ("" if cuda else "; the GPU script's dry run on the CPU at toy sizes (triton interpreted): not a measurement"),
+        f"\nfloat32; Mahalanobis with one class; EDM denoise with width {width}, {blocks} residual blocks, {levels} "
+        "levels (random weights). Rows/s:\n", throughput_table(rows, dims, batch_sizes),
+        "\nGFLOP/s (the ops' FLOP formulas): " + ", ".join(f"{r['impl']} D={r['d']} B={r['b']} {r['gflops']:.1f}"
+                                                          for r in rows if r["b"] == max(batch_sizes)) + "."]) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / "ood-gpu"
+    stem.with_suffix(".md").write_text(report)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": machine_line(), "device": str(device),
+                                                     "throughput": rows, "mechanism": mech_rows}, indent=1))
+    try:
+        plot(rows, dims, batch_sizes, mech_rows, stem.with_suffix(".png"))
+    except ImportError as e:  # matplotlib is in the [bench] extra: the tables still stand
+        print(f"plot: {e}", file=sys.stderr)
+    print(report)
+    return 0
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -310,7 +372,13 @@ def main(argv=None) -> int:
     parser.add_argument("--interpreted-limit", type=float, default=20.0,
                         help="leave out interpreted calls estimated to take longer than this (s)")
     parser.add_argument("--edm-seeds", type=int, default=3, help="EDM fits (seeds 0, 1, ...) on CLINC150")
+    parser.add_argument("--gpu", action="store_true",
+                        help="benchmarks/gpu.sh's run (see gpu_main; with --device cpu: tiny, its dry run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--gpu: where the inputs live")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="--gpu: folder for the .md, .json and .png")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return gpu_main(args)
     dims = (384, 1024) if args.quick else (384, 1024, 4096)
     batch_sizes = (1, 64) if args.quick else (1, 64, 4096)
     budget = args.budget or (0.1 if args.quick else 0.5)

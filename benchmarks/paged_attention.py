@@ -141,25 +141,30 @@ def build_config(args) -> Config:
     if cuda:  # a Llama-ish head configuration in bfloat16
         hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
         bs = args.block_size or 16
-        if args.quick:
+        if args.gpu:  # benchmarks/gpu.sh: the goal cases first, within its time limit
+            seqs, contexts, lengths, max_tokens = (1, 64), (1 * K, 8 * K, 32 * K), (2 * K, 8 * K), 1 << 20
+        elif args.quick:
             seqs, contexts, lengths, max_tokens = (1, 64), (1 * K, 8 * K), (2 * K, 8 * K), 1 << 20
         else:
             seqs, contexts, lengths, max_tokens = (1, 8, 64, 256), (1 * K, 4 * K, 8 * K, 32 * K), \
                 (2 * K, 4 * K, 8 * K, 16 * K), 1 << 21
         prefill_tokens = 16 * K
         mixed = [mixed_case(60, (2 * K, 8 * K), 4, 1 * K, 4 * K, bs)]
-        if not args.quick:
+        if not (args.quick or args.gpu):
             mixed.append(mixed_case(126, (1 * K, 16 * K), 2, 8 * K, 8 * K, bs, seed=1))
     else:  # a smaller configuration and grid, so that the CPU run takes minutes
         hq, hkv, d, dtype = 8, 2, 64, torch.float32
         bs = args.block_size or 16
-        if args.quick:
+        if args.gpu:  # the GPU script's dry run: every section once, tiny
+            seqs, contexts, lengths, max_tokens = (1, 4), (256,), (128,), 1 << 12
+        elif args.quick:
             seqs, contexts, lengths, max_tokens = (1, 16), (1 * K, 4 * K), (2 * K,), 1 << 16
         else:
             seqs, contexts, lengths, max_tokens = (1, 16, 64, 256), (1 * K, 4 * K, 8 * K, 32 * K), \
                 (2 * K, 4 * K, 8 * K, 16 * K), 1 << 19
         prefill_tokens = 0  # one prompt per length
-        mixed = [mixed_case(6, (256, 1 * K), 1, 128, 512, bs)] if args.quick else \
+        mixed = [mixed_case(3, (64, 256), 1, 32, 128, bs)] if args.gpu else \
+            [mixed_case(6, (256, 1 * K), 1, 128, 512, bs)] if args.quick else \
             [mixed_case(14, (512, 4 * K), 2, 256, 2 * K, bs), mixed_case(30, (1 * K, 8 * K), 1, 2 * K, 2 * K, bs, seed=1)]
     if args.dtype:
         dtype = getattr(torch, args.dtype)
@@ -173,8 +178,8 @@ def build_config(args) -> Config:
         cases.append(decode_case(*goal, 32, priority=True))
     cases += [prefill_case(max(1, prefill_tokens // n), n, bs, priority=True) for n in lengths]
     cases += mixed
-    budget = args.budget or (0.2 if cuda else 0.05 if args.quick else 0.4)
-    limit = args.call_limit or (2.0 if cuda else 1.0 if args.quick else 8.0)
+    budget = args.budget or (0.2 if cuda else 0.02 if args.gpu else 0.05 if args.quick else 0.4)
+    limit = args.call_limit or (2.0 if cuda else 1.0 if args.quick or args.gpu else 8.0)
     return Config(args.device, dtype, hq, hkv, d, tuple(cases), budget, limit)
 
 
@@ -936,6 +941,8 @@ def progress_line(row, cfg, cases) -> str:
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few small cases (a CI smoke test)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="benchmarks/gpu.sh's grid (with --device cpu: tiny, its dry run); writes -gpu files")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
@@ -1123,14 +1130,15 @@ def main(argv=None) -> int:
     impls = implementations(args.device, peers)
     print(f"# paged attention benchmark: {machine_line()}; device {device['name']}; {cfg.heads}, {cfg.dtype}")
     print(f"peers: {peers}")
-    calibration = calibrate(args.device, cfg.dtype, args.quick, max(cfg.budget_s, 0.2))
+    calibration = calibrate(args.device, cfg.dtype, args.quick or (args.gpu and args.device == "cpu"),
+                            max(cfg.budget_s, 0.2))
     print(f"measured: copy {fmt(calibration['copy_GBps'])} GB/s, matmul {fmt(calibration['matmul_TFLOPs'])} TFLOP/s",
           flush=True)
     time_limit = args.time_limit or (180.0 if args.device == "cuda" else 1e9)
     deadline = start + time_limit
     report = Report(cfg, impls, calibration, peers, device, args)
     report.load = [load]
-    suffix = "-quick" if args.quick else ""
+    suffix = "-gpu" if args.gpu else "-quick" if args.quick else ""
     cases = {c.key: c for c in cfg.cases}
 
     def emit(row):

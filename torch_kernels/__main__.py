@@ -11,7 +11,11 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kernels")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="list the backends that run here and check every op on each")
+    doctor = sub.add_parser("doctor", help="list the backends that run here and check every op on each")
+    doctor.add_argument("--device", default="cpu",
+                        help="where the inputs live: cpu, or cuda (the compiled Triton kernels and the reference)")
+    doctor.add_argument("--backends", default=None, help="comma-separated backends to check (default: all that run)")
+    doctor.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated input dtypes")
     sub.add_parser("demo", help="out-of-distribution scoring of synthetic features on each backend")
     serve = sub.add_parser("serve", help="chat with SmolLM2 through the paged-attention serving loop")
     serve.add_argument("--backend", default=None, help="backend of the attention ops (default: by device)")
@@ -34,9 +38,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
+        import torch
+
         from .selftest import doctor
 
-        return 0 if doctor() else 1
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            print("doctor: --device cuda, but torch.cuda.is_available() is False here", file=sys.stderr)
+            return 2
+        dtypes = tuple(getattr(torch, name.strip()) for name in args.dtypes.split(","))
+        names = None if args.backends is None else tuple(b.strip() for b in args.backends.split(","))
+        return 0 if doctor(dtypes, device=args.device, backend_names=names) else 1
     if args.command == "demo":
         return demo()
     if args.command == "serve":

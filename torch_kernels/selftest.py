@@ -130,11 +130,12 @@ def _fused_moe_definition(x, w13, w2, weights, ids):
 
 
 def grouped_mm_inputs(gen, dtype, device, rows=61, k_dim=40, n_dim=24, experts=6):
-    """Rows split unevenly over experts (one empty), the last rows belonging to none."""
+    """Rows split unevenly over experts (the second one empty), the last rows belonging to none."""
     x = torch.randn(rows, k_dim, generator=gen)
     w = torch.randn(experts, k_dim, n_dim, generator=gen) * k_dim ** -0.5
-    offsets = torch.tensor([9, 9, 30, 41, 52, 55], dtype=torch.int32)
-    return x.to(device, dtype), w.to(device, dtype), offsets.to(device)
+    ends = torch.randint(0, rows * 9 // 10 + 1, (experts,), generator=gen).sort().values
+    ends[1:2] = ends[:1]
+    return x.to(device, dtype), w.to(device, dtype), ends.to(device, torch.int32)
 
 
 def _grouped_mm_definition(x, w, offsets):
@@ -163,8 +164,59 @@ def _quantized_attention_definition(q, k, v):
                                                                    "none")[0]
 
 
+def edm_inputs(gen, dtype, device, b=9, d=13, h=20, blocks=2, levels=3):
+    """Features and a random denoiser of moderate gain, in ``EDM_TENSORS`` order after ``x``."""
+    def randn(*size, scale=1.0):
+        return torch.randn(*size, generator=gen, dtype=torch.float64) * scale
+
+    x = randn(b, d) * 2 + 0.5
+    params = [randn(d) * 2, randn(d).abs() * 0.5 + 0.25, randn(levels, d), randn(levels).abs() + 0.1,
+              randn(levels, h), randn(d, h, scale=d**-0.5), randn(blocks, h, h, scale=h**-0.5),
+              randn(blocks, h, scale=0.1), randn(blocks, h, h, scale=h**-0.5), randn(blocks, h, scale=0.1),
+              randn(h, d, scale=h**-0.5), randn(d, scale=0.1)]
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x.to(device, dtype), *(p.to(device, param) for p in params))
+
+
+EDM_SIGMA_DATA = 0.8
+
+
+def edm_sigmas(levels: int) -> list[float]:
+    """Noise levels from 0.2 up by factors of 3."""
+    return [0.2 * 3**i for i in range(levels)]
+
+
+def _edm_run(x, *params, implementation=None):
+    return ood_ops.edm_score(x, *params, edm_sigmas(params[2].shape[0]), EDM_SIGMA_DATA, "denoise",
+                             implementation=implementation)
+
+
+def _edm_definition(x, *params):
+    return ood_reference.edm_score_naive(x.double(), *(p.double() for p in params), edm_sigmas(params[2].shape[0]),
+                                         EDM_SIGMA_DATA, "denoise")
+
+
+def reshape_and_cache_inputs(gen, dtype, device, tokens=23, heads=2, head_size=64, block_size=16, num_blocks=5):
+    """New keys and values, random caches to write them into, distinct slots (one of them -1, padding)."""
+    key, value = (torch.randn(tokens, heads, head_size, generator=gen) for _ in range(2))
+    cache_shape = (num_blocks, block_size, heads, head_size)
+    key_cache, value_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[tokens // 2] = -1
+    return (key.to(device, dtype), value.to(device, dtype), key_cache.to(device, dtype), value_cache.to(device, dtype),
+            slots.to(device))
+
+
+def router_inputs(gen, dtype, device, tokens=37, experts=8):
+    """Router logits ``[T, E]`` and a correction bias (for the grouped sigmoid router)."""
+    logits = torch.randn(tokens, experts, generator=gen)
+    bias = 0.1 * torch.randn(experts, generator=gen)
+    return logits.to(device, dtype), bias.to(device, torch.float32)
+
+
 CASES = [
     Case("mahalanobis_score", mahalanobis_inputs, ood_ops.mahalanobis_score, ood_reference.mahalanobis_score_naive),
+    Case("edm_score", edm_inputs, _edm_run, _edm_definition),
     Case("ragged_paged_attention", paged_attention_inputs, paged_attention_ops.ragged_paged_attention,
          _paged_attention_definition),
     *(_linear_attention_case(op) for op in linear_attention_ops.OPS),
@@ -186,17 +238,35 @@ def check(case: Case, backend: str, dtype: torch.dtype, device: str = "cpu", see
     inputs = case.make_inputs(gen, dtype, device)
     expected = case.definition(*inputs)
     out = case.run(*inputs, implementation=backend)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         case.run(*inputs, implementation=backend)
-    seconds = (time.perf_counter() - start) / repeats
+    sync()
+    seconds = (time.perf_counter() - start) / max(repeats, 1)
     return relative_error(out, expected), TOLERANCES[dtype][0], seconds
 
 
-def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print) -> bool:
-    """Print which backends run here and every op on each against its definition; True if all pass."""
-    print_fn(f"torch {torch.__version__}; backends:")
-    reasons = backends.unavailable_reasons()
+# the backends whose kernels take a device's own tensors (pallas takes torchax tensors, sycl XPU ones)
+DEVICE_BACKENDS = {"cuda": ("reference", "triton")}
+
+
+def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print, device: str = "cpu",
+           backend_names=None) -> bool:
+    """Print which backends run here and every op on each against its definition; True if all pass.
+
+    ``device``: where the inputs live (``"cuda"`` runs the compiled Triton kernels and the reference
+    on the GPU); ``backend_names``: only these backends (default: every one that takes that
+    device's tensors).
+    """
+    print_fn(f"torch {torch.__version__}; device {device}; backends:")
+    reasons = dict(backends.unavailable_reasons())
+    for name in reasons:
+        if backend_names is not None and name not in backend_names:
+            reasons[name] = reasons[name] or "not selected"
+        elif device in DEVICE_BACKENDS and name not in DEVICE_BACKENDS[device]:
+            reasons[name] = reasons[name] or f"its kernels do not take {device} tensors"
     for name, reason in reasons.items():
         print_fn(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
     print_fn("")
@@ -210,14 +280,14 @@ def doctor(dtypes=(torch.float32, torch.float16, torch.bfloat16), print_fn=print
                 continue
             for dtype in dtypes:
                 try:
-                    err, tol, seconds = check(case, backend, dtype)
+                    err, tol, seconds = check(case, backend, dtype, device)
                     ok = err <= tol
                     row = f"{err:>12.2e} {tol:>8.0e} {'pass' if ok else 'FAIL':<6} {seconds * 1e3:>9.2f}ms"
                 except Exception as e:  # the doctor reports every failure and carries on
                     ok = False
                     row = f"{'error':>12} {'':>8} {'FAIL':<6} {type(e).__name__}: {e}"
                 all_pass &= ok
-                print_fn(f"{case.op:<32} {backend:<10} {'cpu':<7} {str(dtype).removeprefix('torch.'):<9} {row}")
+                print_fn(f"{case.op:<32} {backend:<10} {device:<7} {str(dtype).removeprefix('torch.'):<9} {row}")
     print_fn("")
     print_fn("all passed" if all_pass else "SOME CHECKS FAILED")
     return all_pass

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: bash benchmarks/gpu.sh [--dry-run] [--wheels DIR] OUT_DIR
+#
+# Offline, on a machine with torch, triton and jax but not this project's other dependencies:
+# installs the project without dependencies, then runs the doctor on cuda, the device tests
+# (tests/test_on_device.py, TORCH_KERNELS_TEST_DEVICE=cuda), an autotuning pass over the
+# benchmarks' shapes, every family's benchmark in its --gpu preset on the tuned configs, and
+# benchmarks/gpu_summary.py, writing to OUT_DIR: doctor.txt, device_tests.txt,
+# autotune/<device>.json (the filled cache), <family>-gpu.{md,json,png} for paged_attention,
+# linear_attention, moe, quantized_attention and ood, summary.md, summary.json, steps.tsv (each
+# step's status and seconds) and logs/<step>.log.
+# Each step has a time cap and the whole run a budget (GPU_SCRIPT_BUDGET_S, default 470 s), so it
+# ends within 8 minutes on one H200; a step that fails or runs out of time is recorded and the
+# next one runs. Peers that are not installed (fla-core, sageattention) are installed from
+# --wheels DIR when given, else skipped with a note. PYTHON names the interpreter (default python3).
+#
+# --dry-run: every step tiny on the CPU, writing the same files (tests/test_gpu_script.py runs it
+# in CI). It installs into a temporary --target folder, which exercises the install (the build
+# with --no-deps --no-build-isolation) without touching the environment that runs it; the later
+# steps then import that installed copy.
+set -uo pipefail
+
+dry_run=0
+wheels=""
+out=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry_run=1 ;;
+        --wheels) wheels="${2:?--wheels needs a folder}"; shift ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -*) echo "gpu.sh: unknown option $1" >&2; exit 2 ;;
+        *) [ -z "$out" ] || { echo "gpu.sh: one OUT_DIR only" >&2; exit 2; }; out="$1" ;;
+    esac
+    shift
+done
+[ -n "$out" ] || { echo "usage: bash benchmarks/gpu.sh [--dry-run] [--wheels DIR] OUT_DIR" >&2; exit 2; }
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+mkdir -p "$out/logs"
+out="$(cd "$out" && pwd)"
+python="${PYTHON:-python3}"
+case "$python" in */*) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; esac  # steps change folder
+budget_s="${GPU_SCRIPT_BUDGET_S:-470}"
+start_s=$(date +%s)
+: > "$out/steps.tsv"
+cd "$root" || exit 2
+
+if [ "$dry_run" = 1 ]; then
+    device=cpu
+    export TORCH_KERNELS_TEST_DEVICE=cpu
+else
+    device=cuda
+    export TORCH_KERNELS_TEST_DEVICE=cuda
+fi
+
+note() {  # note STEP TEXT: a line in steps.tsv for a step that did not run a command
+    printf '%s\tnote\t0\t%s\n' "$1" "$2" >> "$out/steps.tsv"
+    echo "== $1: $2"
+}
+
+run_step() {  # run_step NAME CAP_S COMMAND...: runs it capped by CAP_S and the budget left
+    local name="$1" cap="$2"; shift 2
+    local left=$(( budget_s - ($(date +%s) - start_s) ))
+    [ "$cap" -le "$left" ] || cap="$left"
+    if [ "$cap" -lt 5 ]; then
+        note "$name" "not run: the script's time budget (${budget_s} s) is spent"
+        return 1
+    fi
+    echo "== $name (at most ${cap} s)"
+    local t0=$(date +%s) rc=0
+    timeout --kill-after=10 "$cap" "$@" > "$out/logs/$name.log" 2>&1 || rc=$?
+    local status=ok
+    [ "$rc" = 0 ] || status="failed (exit $rc)"
+    [ "$rc" != 124 ] && [ "$rc" != 137 ] || status="timed out after ${cap} s"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(( $(date +%s) - t0 ))" "logs/$name.log" >> "$out/steps.tsv"
+    echo "   $status"
+    tail -n 3 "$out/logs/$name.log" | sed 's/^/   | /'
+    [ "$rc" = 0 ]
+}
+
+# ---- 1. install the project (and peers from --wheels) without dependencies or the network
+pip_install=("$python" -m pip install --no-deps --no-build-isolation --no-index --disable-pip-version-check)
+if [ "$dry_run" = 1 ]; then
+    target="$(mktemp -d)"
+    trap 'rm -rf "$target"' EXIT
+    pip_install+=(--target "$target")
+fi
+if run_step install 60 "${pip_install[@]}" "$root"; then
+    if [ "$dry_run" = 1 ]; then
+        export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+else
+    export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+    note install-fallback "the install failed (logs/install.log): running from the source tree"
+fi
+# the benchmarks import the installed copy; the doctor (python -m) and the tests (conftest) the checkout
+(cd "$out" && "$python" -c 'import torch_kernels; print("torch_kernels from", torch_kernels.__file__)') \
+    > "$out/logs/import.log" 2>&1 || note import "torch_kernels does not import (logs/import.log)"
+
+for peer in fla-core:fla sageattention:sageattention; do
+    package="${peer%%:*}" module="${peer##*:}"
+    if "$python" -c "import $module" > /dev/null 2>&1; then
+        note "peer-$package" "installed already"
+    elif [ -n "$wheels" ]; then
+        run_step "peer-$package" 60 "${pip_install[@]}" --find-links "$wheels" "$package" \
+            || note "peer-$package" "not installed from $wheels (logs/peer-$package.log): its columns are left out"
+    else
+        note "peer-$package" "not installed and no --wheels folder given: its columns are left out"
+    fi
+done
+
+# ---- 2. the doctor and the device tests
+if [ "$dry_run" = 1 ]; then
+    run_step doctor 60 "$python" -m torch_kernels doctor --device cpu --backends reference,triton --dtypes float32
+else
+    run_step doctor 60 "$python" -m torch_kernels doctor --device cuda
+fi
+cp "$out/logs/doctor.log" "$out/doctor.txt"
+
+if "$python" -c 'import pytest' > /dev/null 2>&1; then
+    # addopts cleared: the project's "-n 2" needs pytest-xdist, which a GPU machine may lack
+    run_step device_tests 100 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
+        tests/test_on_device.py
+    cp "$out/logs/device_tests.log" "$out/device_tests.txt"
+else
+    note device_tests "pytest is not installed: device tests not run"
+    echo "pytest is not installed here: the device tests did not run" > "$out/device_tests.txt"
+fi
+
+# ---- 3. autotuning: the benchmarks' GPU shapes searched (each search is written to the user cache
+# under $TORCH_KERNELS_CACHE as soon as it ends, so a step cut short keeps what it found); the
+# benchmarks below then run on those configs; the cache is saved to OUT_DIR/autotune/<device>.json,
+# ready to ship in torch_kernels/autotune_configs/. CPU tensors never search: the dry run saves an
+# empty cache, after one benchmark's pass (the loop's logic, at the cost of one family).
+tuned_families="paged_attention quantized_attention moe linear_attention ood"
+[ "$dry_run" = 0 ] || tuned_families="ood"
+export TORCH_KERNELS_CACHE="$out/cache"
+run_step autotune 120 env TORCH_KERNELS_AUTOTUNE=1 bash -c '
+    for name in $3; do
+        "$0" "benchmarks/$name.py" --gpu --device "$1" --out "$2/logs/autotune-runs" --budget 0.05 || exit 1
+    done' "$python" "$device" "$out" "$tuned_families"
+run_step autotune-save 30 "$python" -c 'import sys; from torch_kernels.autotune import autotune
+print(autotune.export(sys.argv[1], sys.argv[2]))' "$device" "$out/autotune"
+
+# ---- 4. every family's benchmark, GPU preset (--device cpu: tiny)
+bench() {  # bench NAME CAP_S ARGS...
+    local name="$1" cap="$2"; shift 2
+    run_step "$name" "$cap" "$python" "benchmarks/$name.py" --gpu --device "$device" --out "$out" "$@"
+}
+bench paged_attention 90 --time-limit 60
+bench quantized_attention 60
+bench moe 75
+bench linear_attention 60
+bench ood 30
+
+# ---- 5. the summary of the goals
+t0=$(date +%s)
+if "$python" benchmarks/gpu_summary.py "$out" --device "$device" > "$out/logs/summary.log" 2>&1; then
+    echo "== summary: $out/summary.md ($(( $(date +%s) - t0 )) s; whole run $(( $(date +%s) - start_s )) s)"
+    sed -n '/## Goals/,/^Details/p' "$out/summary.md"
+else
+    echo "== summary failed: $out/logs/summary.log" >&2
+    tail -n 20 "$out/logs/summary.log" >&2
+    exit 1
+fi

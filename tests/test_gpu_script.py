@@ -1,0 +1,54 @@
+"""benchmarks/gpu.sh's dry run: every step of the GPU script, tiny on the CPU, writing the files a
+GPU run writes (their names are binding), and a summary that lists every goal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FAMILIES = ("paged_attention", "linear_attention", "moe", "quantized_attention", "ood")
+FILES = ("summary.md", "summary.json", "steps.tsv", "doctor.txt", "device_tests.txt",
+         *(f"{family}-gpu.{ext}" for family in FAMILIES for ext in ("md", "json", "png")))
+GOALS = ("paged attention decode", "paged attention prefill", "Gated DeltaNet vs fla", "grouped_mm vs matmul rate",
+         "fused_moe vs unfused", "quantized attention vs SDPA")
+
+
+def test_dry_run_writes_every_file_and_every_goal(tmp_path):
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()  # an empty wheel folder: the peers' install path runs and notes their absence
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--wheels", str(wheels), str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, "TORCH_KERNELS_BENCH_TRACEBACKS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    missing = [name for name in FILES if not (out / name).is_file() or not (out / name).stat().st_size]
+    assert not missing, f"missing or empty: {missing}\n{done.stdout[-3000:]}"
+
+    steps = {}
+    for line in (out / "steps.tsv").read_text().splitlines():
+        step, status, *_ = line.split("\t")
+        steps.setdefault(step, []).append(status)
+    for step in ("install", "doctor", "device_tests", *FAMILIES):
+        assert steps.get(step) == ["ok"], f"{step}: {steps.get(step)}; see {out}/logs/{step}.log"
+    assert steps.get("autotune") == ["ok"] and steps.get("autotune-save") == ["ok"], steps
+    saved = json.loads((out / "autotune" / "cpu.json").read_text())  # CPU tensors never search: empty
+    assert saved == {"format": 1, "device": "cpu", "configs": {}}
+    for peer in ("peer-fla-core", "peer-sageattention"):
+        assert "note" in steps[peer], steps[peer]
+
+    assert "all passed" in (out / "doctor.txt").read_text()
+    tests = (out / "device_tests.txt").read_text()
+    assert " passed" in tests and "failed" not in tests and "error" not in tests.lower(), tests[-2000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [g["goal"] for g in summary["goals"]] == list(GOALS)
+    assert all(g["status"] in ("met", "missed", "not measured") for g in summary["goals"])
+    # measured on the CPU too (the logic, not the speed): the goals the tiny grids reach
+    measured = {g["goal"] for g in summary["goals"] if g["measured"] is not None}
+    assert {"paged attention prefill", "grouped_mm vs matmul rate", "fused_moe vs unfused"} <= measured
+    assert summary["peaks"]["copy_GBps"] > 0 and summary["peaks"]["matmul_TFLOPs"] > 0
+    text = (out / "summary.md").read_text()
+    assert all(goal in text for goal in GOALS)
