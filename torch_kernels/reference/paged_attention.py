@@ -39,24 +39,26 @@ NaN and inf (every backend; ``ragged_paged_attention_naive`` states it in code):
 
 ``ragged_paged_attention_naive`` is the definition, written for reading (a loop over sequences).
 ``ragged_paged_attention`` is the reference backend's kernel and the CPU default: each group of
-similar sequences gathers its pages once and multiplies them in batched matmuls, with no Python
-loop over tokens or pages; the NaN policy costs it a check of two sums per kv head unless a
-NaN or inf is there.
+similar sequences gathers its pages once and multiplies them, all heads together, in batched
+matmuls, with no Python loop over tokens, pages or heads; the NaN policy costs it a check of two
+sums per group unless a NaN or inf is there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import torch
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 # The CPU default's tiles: query rows per unit (64 ran fastest), and budgets in float32 elements
-# of one group's gathered keys (one of K and V: 16 MB) and of one kv head's logits (4 MB).
+# of one group's gathered keys (one of K and V: 16 MB) and of its logits, all heads (16 MB).
 _MAX_Q_TILE = 64
 _KEY_TILE_ELEMENTS = 1 << 22
-_LOGIT_TILE_ELEMENTS = 1 << 20
+_LOGIT_TILE_ELEMENTS = 1 << 22
 # A group of units closes before padding them to its widest would waste this share of its work.
 _GROUP_WASTE = 0.25
 
@@ -65,8 +67,17 @@ def entries_apart(t: torch.Tensor) -> bool:
     """Whether no two entries of ``t`` share memory: sorted by stride, each dimension steps past
     everything the smaller ones reach (sufficient, and met by every slice and permutation of a
     tensor, such as the halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache)."""
+    shape, strides = tuple(t.shape), t.stride()
+    try:
+        return _strides_apart(shape, strides)
+    except TypeError:  # symbolic sizes (fake tensors while compiling) do not hash
+        return _strides_apart.__wrapped__(shape, strides)
+
+
+@functools.lru_cache(maxsize=256)  # a model's caches share a few layouts; checked on every call
+def _strides_apart(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     reach = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
         if stride <= reach:
             return False
         reach += stride * (size - 1)
@@ -93,11 +104,20 @@ def dequantize(entries: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     """Write each token's key and value to its slot; slot -1 (padding) is skipped."""
     real = slot_mapping >= 0
-    slots = slot_mapping[real]
+    if not real.all():
+        slot_mapping, key, value = slot_mapping[real], key[real], value[real]
     block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = quantize(key[real], k_scale, key_cache.dtype)
-    value_cache[blocks, offsets] = quantize(value[real], v_scale, value_cache.dtype)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, offsets] = _stored(key, k_scale, key_cache.dtype)
+    value_cache[blocks, offsets] = _stored(value, v_scale, value_cache.dtype)
+
+
+def _stored(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``quantize(x, scale, dtype)``; ``x`` itself when that is exact: a float cache of x's dtype
+    and scales of 1 (a float16, bfloat16 or float32 value is exact in float32, and so is / 1)."""
+    if dtype == x.dtype and bool((scale == 1).all()):
+        return x
+    return quantize(x, scale, dtype)
 
 
 def _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale) -> None:
@@ -165,8 +185,8 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     Each sequence's query rows are cut into units of at most ``_MAX_Q_TILE`` rows; a unit reads
     the pages holding the keys its rows may see (from its first row's window start to its last
     row's position). Units of similar size form a group (:func:`_plan`), attended together by
-    :func:`_attend_group`: their pages gathered once, padded to the group's largest, and each kv
-    head's keys multiplied with all its query heads' rows in one batched matmul. The lengths are
+    :func:`_attend_group`: their pages gathered once, padded to the group's largest, and every kv
+    head's keys multiplied with its query heads' rows in one batched matmul. The lengths are
     read on the host once; the plan is kept for the next call with the same batch (a model's
     layers share it).
     """
@@ -174,11 +194,22 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:
         return out
-    scales = (float(sm_scale), k_scale.tolist(), v_scale.tolist())
+    scales = _multipliers(float(sm_scale), k_scale, v_scale)
     caches = (key_cache, value_cache, _paired(key_cache, value_cache))
     for group in _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window):
         _attend_group(out, query, caches, group, scales, soft_cap)
     return out
+
+
+def _multipliers(sm_scale: float, k_scale, v_scale) -> tuple:
+    """What scales the float32 queries (``sm_scale * k_scale``) and the outputs (``v_scale``):
+    a float, or per kv head ``[1, Hkv, 1, 1, 1]``; None for the outputs when every scale is 1."""
+    k_scales, v_scales = k_scale.tolist(), v_scale.tolist()
+    products = [sm_scale * s for s in k_scales]  # in double, then rounded once to float32
+    q_multiplier = products[0] if len(set(products)) == 1 else \
+        torch.tensor(products, dtype=torch.float32, device=k_scale.device).view(1, -1, 1, 1, 1)
+    v_multiplier = None if all(s == 1.0 for s in v_scales) else v_scale.view(1, -1, 1, 1, 1)
+    return q_multiplier, v_multiplier
 
 
 def _paired(key_cache, value_cache) -> torch.Tensor | None:
@@ -196,7 +227,7 @@ def _paired(key_cache, value_cache) -> torch.Tensor | None:
 @dataclasses.dataclass(frozen=True)
 class _PageTile:
     """A tile of a group's pages: each unit's block ids, and which key positions of the tile each
-    padded row cannot see (``[n, rows, 1, tile keys]``)."""
+    padded row cannot see (``[n, 1, rows, 1, tile keys]``: for every kv head and query head)."""
 
     ids: torch.Tensor
     hidden: torch.Tensor
@@ -206,7 +237,8 @@ class _PageTile:
 class _Group:
     """Units attended together: ``n`` units padded to ``rows`` rows each. ``query_rows`` holds the
     token of each padded row (a padding row repeats its unit's last row); ``real`` marks the real
-    ones (None: all are) and ``out_rows`` their tokens."""
+    ones (None: all are) and ``out_rows`` their tokens; ``out_start`` is the first when they are
+    one range of tokens in order (None otherwise)."""
 
     n: int
     rows: int
@@ -214,6 +246,7 @@ class _Group:
     tiles: tuple[_PageTile, ...]
     real: torch.Tensor | None
     out_rows: torch.Tensor
+    out_start: int | None
 
 
 _last_plan: tuple | None = None  # (key, block_table copy, groups) of the last batch planned
@@ -240,7 +273,7 @@ def _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window) -> 
             end_page = -(-(first_pos + rows) // block_size)
             units.append((first, rows, first_pos, first_page, end_page - first_page, s))
     key_elements = block_size * num_kv_heads * head_size  # of a page's keys
-    logit_elements = query.shape[1] // num_kv_heads * block_size  # of a row's logits over a page, per kv head
+    logit_elements = query.shape[1] * block_size  # of a row's logits over a page, all heads
     groups = [_group(group, block_table, block_size, sliding_window, key_elements, logit_elements)
               for group in _grouped(units, key_elements, logit_elements)]
     _last_plan = (key, block_table.clone(), groups)
@@ -279,12 +312,13 @@ def _group(units: list, block_table, block_size: int, sliding_window, key_elemen
     pages, sequence)``."""
     device = block_table.device
     n = len(units)
+    units = sorted(units)  # in token order: rows of consecutive units are one range of out
     first_token, rows, first_pos, first_page, pages, seq = \
         torch.tensor(units, dtype=torch.int64, device=device).unbind(1)
     max_rows, max_pages = max(u[1] for u in units), max(u[4] for u in units)
     row = torch.minimum(torch.arange(max_rows, device=device), rows[:, None] - 1)  # [n, R]
     q_pos = (first_pos[:, None] + row)[:, :, None, None]
-    # long units walk their pages in tiles, within the budgets of one gather and one head's logits
+    # long units walk their pages in tiles, within the budgets of one gather and of the logits
     tile_pages = max(1, min(_KEY_TILE_ELEMENTS // (n * key_elements),
                             _LOGIT_TILE_ELEMENTS // (n * max_rows * logit_elements)))
     tiles = []
@@ -298,21 +332,26 @@ def _group(units: list, block_table, block_size: int, sliding_window, key_elemen
         hidden = k_pos > q_pos  # [n, R, 1, L]; this hides every slot past kv_len too
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
-        tiles.append(_PageTile(ids, hidden))
+        tiles.append(_PageTile(ids, hidden.unsqueeze(1)))
     real = torch.arange(max_rows, device=device) < rows[:, None]
     tokens = first_token[:, None] + torch.arange(max_rows, device=device)
     all_real = all(u[1] == max_rows for u in units)
+    one_range = all_real and all(b[0] == a[0] + max_rows for a, b in zip(units, units[1:]))
     return _Group(n, max_rows, (first_token[:, None] + row).flatten(), tuple(tiles),
-                  None if all_real else real.flatten(), tokens.flatten() if all_real else tokens[real])
+                  None if all_real else real.flatten(), tokens.flatten() if all_real else tokens[real],
+                  units[0][0] if one_range else None)
 
 
 def _attend_group(out, query, caches, group: _Group, scales, soft_cap, exact=False) -> None:
     """Attention of a group of units, written to their rows of ``out``.
 
     A tile of pages is gathered once for all kv heads (``index_select`` on the caches as they
-    are, any strides; keys and values in one gather when ``caches`` holds them paired); a group
-    of long units walks its pages in tiles whose softmax partials are merged by their
-    log-sum-exp.
+    are, any strides; keys and values in one gather when ``caches`` holds them paired) and
+    converted to float32 with the kv heads first, so that one batched matmul over (unit, kv head)
+    computes every head's logits and one more their weighted sums; a group of long units walks
+    its pages in tiles whose softmax partials are merged by their log-sum-exp. ``scales`` is
+    ``(query multiplier, value multiplier)``: ``sm_scale * k_scale`` and ``v_scale``, each a
+    float or ``[1, Hkv, 1, 1, 1]`` (None: 1).
 
     The NaN policy: the fast pass (``exact`` False) masks nothing. A NaN or inf in a query or in
     any gathered entry, seen or not, makes that head's logits (keys; checked before the soft cap,
@@ -320,70 +359,89 @@ def _attend_group(out, query, caches, group: _Group, scales, soft_cap, exact=Fal
     non-finite, which their sums show; only then is the group attended again exactly: those
     entries zeroed, and the rows that see one (or whose query holds one) written as NaN.
     """
-    sm_scale, k_scales, v_scales = scales
+    q_multiplier, v_multiplier = scales
     key_cache, value_cache, pair = caches
     n, max_rows = group.n, group.rows
     _, num_q_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_kv_heads = key_cache.shape[2]
     group_size = num_q_heads // num_kv_heads
-    q = query.index_select(0, group.query_rows).float().view(n, max_rows, num_kv_heads, group_size, head_size)
-    poisoned = None  # [n, R, Hkv, G]: rows that end as NaN
+    batch = n * num_kv_heads  # one matmul batch entry per unit and kv head
+    # [n, Hkv, R, G, D], a new float32 tensor: scaled in place
+    rows_in = query.index_select(0, group.query_rows) if group.out_start is None else \
+        query[group.out_start:group.out_start + n * max_rows]  # the rows are one range: no gather
+    q = _float_copy(rows_in.view(n, max_rows, num_kv_heads, group_size, head_size), (0, 2, 1, 3, 4))
+    poisoned = None  # [n, Hkv, R, G]: rows that end as NaN
     if exact:
         poisoned = _non_finite_rows(q)
-        q = q.masked_fill(poisoned[..., None], 0.0)
+        q.masked_fill_(poisoned[..., None], 0.0)
+    q = q.mul_(q_multiplier).view(batch, max_rows * group_size, head_size)
     single = len(group.tiles) == 1
-    partials = []  # per page tile: (per kv head outputs, per kv head log-sum-exp if several tiles)
-    checks = []
+    partials = []  # per page tile: (outputs [n, Hkv, R, G, D], log-sum-exp [n, Hkv, R, G, 1] if several tiles)
+    checks = None  # the sum of the logits' and outputs' sums: finite unless a NaN or inf is there
     for tile in group.tiles:
-        if pair is None:  # copies, [n, tile keys, Hkv, D]
-            k = key_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size).float()
-            v = value_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size).float()
-        else:
-            k, v = pair.index_select(0, tile.ids).view(n, -1, num_kv_heads, 2, head_size).float().unbind(3)
+        if pair is None:  # [n, Hkv, L, D] each
+            k = _float_copy(key_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size), (0, 2, 1, 3))
+            v = _float_copy(value_cache.index_select(0, tile.ids).view(n, -1, num_kv_heads, head_size), (0, 2, 1, 3))
+        else:  # [n, Hkv, 2, L, D]: a key and a value slice of it keep (unit, kv head) one batch dimension
+            k, v = _float_copy(pair.index_select(0, tile.ids).view(n, -1, num_kv_heads, 2, head_size),
+                               (0, 2, 3, 1, 4)).unbind(2)
+        hidden = tile.hidden  # [n, 1, R, 1, L]
         if exact:
-            bad = _non_finite_rows(k) | _non_finite_rows(v)  # [n, L, Hkv]
+            bad = _non_finite_rows(k) | _non_finite_rows(v)  # [n, Hkv, L]
             k = k.masked_fill(bad[..., None], 0.0)
             v = v.masked_fill(bad[..., None], 0.0)
-            seen_bad = (~tile.hidden & bad.permute(0, 2, 1)[:, None]).any(dim=-1)  # [n, R, Hkv]
-            poisoned = poisoned | seen_bad[..., None]
-        heads, lses = [], []
-        for h in range(num_kv_heads):
-            qh = (q[:, :, h] * (sm_scale * k_scales[h])).view(n, max_rows * group_size, head_size)
-            logits = torch.bmm(qh, k[:, :, h].transpose(1, 2))
-            if not exact:
-                checks.append(logits.sum())  # before the soft cap, which would make an inf finite
-            if soft_cap is not None:
-                logits = torch.tanh(logits.div_(soft_cap)).mul_(soft_cap)
-            logits = logits.view(n, max_rows, group_size, -1).masked_fill_(tile.hidden, float("-inf"))
-            if single:
-                weights = logits.softmax(dim=-1)
-            else:  # a tile some rows see nothing of: log-sum-exp -inf, weights 0
-                lse = logits.logsumexp(dim=-1, keepdim=True)
-                weights = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0))
-                lses.append(lse)
-            head = torch.bmm(weights.view(n, max_rows * group_size, -1), v[:, :, h])
-            if not exact:
-                checks.append(head.sum())
-            heads.append(head.view(n, max_rows, group_size, head_size))
-        partials.append((heads, lses))
-    if checks and not torch.isfinite(torch.stack(checks).sum()):
+            seen_bad = (~hidden & bad[:, :, None, None, :]).any(dim=-1)  # [n, Hkv, R, 1]
+            poisoned = poisoned | seen_bad
+        keys = k.shape[2]
+        logits = torch.bmm(q, k.reshape(batch, keys, head_size).transpose(1, 2))
+        if not exact:  # before the soft cap, which would make an inf finite
+            checks = logits.sum() if checks is None else checks + logits.sum()
+        if soft_cap is not None:
+            logits = torch.tanh(logits.div_(soft_cap)).mul_(soft_cap)
+        logits = logits.view(n, num_kv_heads, max_rows, group_size, keys).masked_fill_(hidden, float("-inf"))
+        lse = None
+        if single:
+            weights = logits.softmax(dim=-1)
+        else:  # a tile some rows see nothing of: log-sum-exp -inf, weights 0
+            lse = logits.logsumexp(dim=-1, keepdim=True)
+            weights = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0))
+        heads = torch.bmm(weights.view(batch, max_rows * group_size, keys), v.reshape(batch, keys, head_size))
+        if not exact:
+            checks = checks + heads.sum()
+        partials.append((heads.view(n, num_kv_heads, max_rows, group_size, head_size), lse))
+    if checks is not None and not math.isfinite(checks.item()):  # one host read (cheaper than torch.isfinite)
         _attend_group(out, query, caches, group, scales, soft_cap, exact=True)
         return
-    result = torch.stack([_merged(partials, h) * v_scales[h] if v_scales[h] != 1.0 else _merged(partials, h)
-                          for h in range(num_kv_heads)], dim=2)
+    result = _merged(partials)
+    if v_multiplier is not None:
+        result = result * v_multiplier
     if poisoned is not None:
         result.masked_fill_(poisoned[..., None], float("nan"))
-    result = result.view(n * max_rows, num_q_heads, head_size)
+    if group.out_start is not None:  # back to token-major, in out's dtype: one copy, in place
+        start = group.out_start
+        out[start:start + n * max_rows].view(n, max_rows, num_kv_heads, group_size, head_size).permute(
+            0, 2, 1, 3, 4).copy_(result)
+        return
+    rows = torch.empty((n, max_rows, num_kv_heads, group_size, head_size), dtype=out.dtype, device=out.device)
+    rows.permute(0, 2, 1, 3, 4).copy_(result)  # back to token-major, in out's dtype: one copy
+    rows = rows.view(n * max_rows, num_q_heads, head_size)
     if group.real is not None:
-        result = result[group.real]
-    out.index_copy_(0, group.out_rows, result.to(out.dtype))
+        rows = rows[group.real]
+    out.index_copy_(0, group.out_rows, rows)
 
 
-def _merged(partials, h: int) -> torch.Tensor:
-    """Kv head ``h``'s output over every page tile: each tile's partial weighted by its share of
-    the softmax's denominator."""
+def _float_copy(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``x.permute(order)`` as a new contiguous float32 tensor: one copy that converts and
+    reorders. (``Tensor.to`` returns a float32 input as it is, strides and all.)"""
+    permuted = x.permute(order)
+    return torch.empty(permuted.shape, dtype=torch.float32, device=x.device).copy_(permuted)
+
+
+def _merged(partials) -> torch.Tensor:
+    """The output over every page tile: each tile's partial weighted by its share of the
+    softmax's denominator."""
     if len(partials) == 1:
-        return partials[0][0][h]
-    lse = torch.stack([lses[h] for _, lses in partials])  # [tiles, n, R, G, 1]
+        return partials[0][0]
+    lse = torch.stack([lse for _, lse in partials])  # [tiles, n, Hkv, R, G, 1]
     shares = torch.exp(lse - lse.logsumexp(dim=0, keepdim=True))
-    return (shares * torch.stack([heads[h] for heads, _ in partials])).sum(dim=0)
+    return (shares * torch.stack([heads for heads, _ in partials])).sum(dim=0)
