@@ -37,7 +37,7 @@ def collect(groups: dict, archs, workers: int | None = None) -> list[dict]:
 
     with compile_report.process_pool(workers) as pool:
         jobs = [compile_report.submit(pool, build, arch) for arch in archs for make in groups.values()
-                for build in compile_report.builds_for(make(), arch)]
+                for build in compile_report.builds_for(make(arch), arch)]
         return [job.result() for job in jobs]
 
 

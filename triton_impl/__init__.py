@@ -61,6 +61,24 @@ class _InterpretedLauncher:
         return launch
 
 
+@functools.cache
+def _cuda_arch(index: int) -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def arch_of(device) -> int | None:
+    """The CUDA compute capability of ``device`` as ``compile_for`` takes it (90 for 9.0), or None
+    for any other device (CPU tensors run interpreted): what arch-aware default configs key on."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return _cuda_arch(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def for_device(kernel, device):
     """``kernel`` compiled for a GPU device, or interpreted for CPU tensors."""
     return _InterpretedLauncher(kernel) if device.type == "cpu" else kernel

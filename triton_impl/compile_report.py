@@ -3,7 +3,8 @@ each build asks of it: registers, spilled bytes, shared memory, the tensor-core 
 matmuls became, and the occupancy that implies.
 
 Builds are each kernel at its default config for the benchmark shapes (a share of them, or all
-with ``everything=True``). :func:`analyze` compiles one build for an architecture and returns a
+with ``everything=True``) and the target architecture, whose compute capability the default
+configs take as a launch takes its device's. :func:`analyze` compiles one build for an architecture and returns a
 plain dict (picklable, so builds can run in a process pool); tests/test_device_compile.py holds
 the rows to the GPU's limits and benchmarks/compiled_kernels.py writes them as a table.
 
@@ -127,28 +128,29 @@ MOE_CASES = [  # (model, dtype, float8 weights, block shape, tokens, the kernels
 ]
 
 
-def linear_attention_builds(size: int, dtypes) -> list[Build]:
-    """Every kernel of the delta rule and gated linear attention at K = V = ``size``."""
+def linear_attention_builds(size: int, dtypes, arch: int = 90) -> list[Build]:
+    """Every kernel of the delta rule and gated linear attention at K = V = ``size``, configured for
+    ``arch`` (as every family's builds: a launch takes its device's compute capability)."""
     from . import linear_attention
 
     return [Build("linear_attention", f"{name} {_name(dtype)} {'delta' if delta else 'gla'} K=V={size}", kernel,
                   signature, constexprs, config.num_warps, config.num_stages)
             for dtype in dtypes for delta in (True, False)
             for name, kernel, signature, constexprs, config, _ in linear_attention.compile_targets(
-                dtype, delta, size, size)]
+                dtype, delta, size, size, arch=arch)]
 
 
-def paged_attention_builds(head_size: int, cases) -> list[Build]:
+def paged_attention_builds(head_size: int, cases, arch: int = 90) -> list[Build]:
     """Attention, the cache write and the split merge for each (query, cache, decode, fused) case."""
     from . import paged_attention as pa
 
     builds = []
     for query_dtype, cache_dtype, decode, fused in cases:
         signature, constexprs, num_warps = pa.compile_targets(query_dtype, cache_dtype, head_size=head_size,
-                                                              decode=decode, fused=fused)
+                                                              decode=decode, fused=fused, arch=arch)
         # the config compile_targets chose: its stages are not in what it returns
         config = pa.default_config(64 if decode else 4096, 64, constexprs["G"], head_size, 8192, constexprs["HKV"],
-                                   sm_count=132)
+                                   sm_count=132, arch=arch, cache_dtype=cache_dtype)
         label = (f"{_name(query_dtype)} q, {_name(cache_dtype)} cache, {'decode' if decode else 'prefill'}"
                  f"{', fused' if fused else ''}, D={head_size}")
         builds.append(Build("paged_attention", f"paged_attention {label}", pa.paged_attention_kernel, signature,
@@ -166,8 +168,9 @@ def paged_attention_builds(head_size: int, cases) -> list[Build]:
     return builds
 
 
-def ood_builds(dtypes) -> list[Build]:
-    """Mahalanobis scoring at 1 and 150 classes and EDM scoring (denoise and scoped) per dtype."""
+def ood_builds(dtypes, arch: int = 90) -> list[Build]:
+    """Mahalanobis scoring at 1 and 150 classes and EDM scoring (denoise and scoped) per dtype (the
+    same configs on every ``arch``)."""
     from . import ood
 
     builds = []
@@ -183,7 +186,7 @@ def ood_builds(dtypes) -> list[Build]:
     return builds
 
 
-def quantized_attention_builds(head_size: int, dtypes) -> list[Build]:
+def quantized_attention_builds(head_size: int, dtypes, arch: int = 90) -> list[Build]:
     """Every kernel of the forward (each P.V dtype) and backward at ``head_size``."""
     from . import quantized_attention
 
@@ -191,13 +194,14 @@ def quantized_attention_builds(head_size: int, dtypes) -> list[Build]:
                   num_warps, num_stages)
             for dtype in dtypes
             for label, kernel, signature, constexprs, num_warps, num_stages, _ in
-            quantized_attention.compile_targets(dtype, head_size)]
+            quantized_attention.compile_targets(dtype, head_size, arch=arch)]
 
 
-def moe_builds(model: str, dtype: torch.dtype, weight_dtype, block_shape, tokens: int, only) -> list[Build]:
+def moe_builds(model: str, dtype: torch.dtype, weight_dtype, block_shape, tokens: int, only,
+               arch: int = 90) -> list[Build]:
     """One MoE layer of ``model``'s kernels (those named in ``only``; None: all), built as a launch
     on these shapes specializes them; the row-wise kernels, with no loads to pipeline, as plain
-    builds."""
+    builds (the same configs on every ``arch``)."""
     from . import moe
 
     weights = f" {_name(weight_dtype)} weights {block_shape or 'per channel'}" if weight_dtype else ""
@@ -209,7 +213,7 @@ def moe_builds(model: str, dtype: torch.dtype, weight_dtype, block_shape, tokens
 
 
 def build_groups(everything: bool = False) -> dict:
-    """``{group id: function returning its builds}``, a group per family and size. By default the
+    """``{group id: function of an arch returning its builds}``, a group per family and size. By default the
     share CI builds: every kernel at every size, for a share of the dtypes (linear attention
     float32 and bfloat16 at K = V = 256, the widest state, float16 at 128, bfloat16 at 64: the chunk
     kernels' tiles do not change with K, V, and float16 and bfloat16 share them; paged attention

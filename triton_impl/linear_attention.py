@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, for_device
+from . import arch_of, autotune, for_device
 
 CHUNK = 64
 SUB = 16  # the WY inverse's diagonal blocks (tl.dot's smallest tile)
@@ -99,7 +99,8 @@ class Config:
 KERNELS = ("wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
 
 
-def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False) -> Config:
+def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False,
+                   arch: int | None = None) -> Config:
     """Heuristic per kernel (``KERNELS``; "recurrent" covers the three recurrent launches, which
     must split V alike). The chunk kernels loop over K and V in blocks and keep no whole ``[C, K]``
     or ``[K, V]`` tile, so their shared memory does not grow with K, V (tests/test_device_compile.py
@@ -111,7 +112,9 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     holding two ``[C, C]`` sums and ``T``, or ``Q K^T`` and ``dS``), one pipeline stage where a
     loop reads back what it stored or holds the most; for float32, 4 warps for the WY step (its
     ``[C, C]`` tf32x3 operands spilled at 8) and 16-wide K blocks for ``dq``, ``dk``. The
-    interpreter, whose cost is per program and step, takes 64-wide tiles. The recurrent form
+    interpreter, whose cost is per program and step, takes 64-wide tiles. ``arch``, the GPU's compute
+    capability (``triton_impl.arch_of``; None: not CUDA, taken as sm_90): the float32 state backward
+    takes 4 warps from sm_90 on (8 spilled there, 4 spilled on sm_80). The recurrent form
     takes narrow V blocks on a GPU (16: more programs, and at 32 a float16 state of K = 128
     spilled).
     """
@@ -127,7 +130,9 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
                "chunk_state_backward": 16 if wide else 64}.get(kernel, 32 if wide else 64)
     one_stage = ("chunk_state", "chunk_state_backward", "chunk_grad") + (("wy",) if wide else ())
     stages = 1 if kernel in one_stage else 2
-    warps = 4 if wide and kernel == "wy" else 8  # float32 WY: tf32x3 operands of [C, C] tiles, replicated at 8
+    hopper = arch is None or arch >= 90
+    # float32 WY: tf32x3 operands of [C, C] tiles, replicated at 8
+    warps = 4 if wide and (kernel == "wy" or (kernel == "chunk_state_backward" and hopper)) else 8
     block_k = 16 if wide and kernel == "chunk_grad" else 32  # float32 dq, dk: 32 wide spilled on sm_80
     return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
 
@@ -751,7 +756,7 @@ class _Problem:
     def config(self, kernel: str) -> Config:
         """``kernel``'s config: tuned or cached per device (``triton_impl.autotune``), else the heuristic."""
         tokens, heads, value_heads, k_dim, v_dim = self.shape
-        sizes = (kernel, k_dim, v_dim, self.q.dtype, self.q.device.type == "cpu")
+        sizes = (kernel, k_dim, v_dim, self.q.dtype, self.q.device.type == "cpu", arch_of(self.q.device))
         if self.rerun is None:
             return default_config(*sizes)
         key = dict(tokens=tokens, seqs=self.num_seqs, heads=heads, value_heads=value_heads, k=k_dim, v=v_dim,
@@ -795,12 +800,13 @@ def _l2_normalize_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return inv * (grad - unit * (unit * grad).sum(-1, keepdim=True))
 
 
-def config_space(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False) -> list[Config]:
+def config_space(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False,
+                 arch: int | None = None) -> list[Config]:
     """The configs an autotuner may try (``triton_impl.autotune``; arguments as :func:`default_config`):
     the heuristic's, then V blocks of 16 to 64 (no wider than V), K steps of 32 or 64, 4 or 8 warps,
     1 or 2 stages. A config out of shared memory fails to launch and is skipped."""
     padded_v = _padded(v_dim)
-    return autotune.space(default_config(kernel, k_dim, v_dim, dtype, interpreted),
+    return autotune.space(default_config(kernel, k_dim, v_dim, dtype, interpreted, arch),
                           lambda config: config.block_v <= padded_v, block_v=(16, 32, 64),
                           block_k=(64,) if kernel == "recurrent" else (32, 64), num_warps=(4, 8), num_stages=(1, 2))
 
@@ -1041,10 +1047,10 @@ def _signature(kernel, dtype: torch.dtype, constexprs: dict, delta: bool, out_ty
 
 
 def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_dim: int = 128, heads: int = 16,
-                    value_heads: int = 32):
+                    value_heads: int = 32, arch: int = 90):
     """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
-    (Qwen3-Next-like head sizes by default) at its default config, to build ahead of time for
-    inputs of ``dtype``."""
+    (Qwen3-Next-like head sizes by default) at its default config for compute capability ``arch``,
+    to build ahead of time for inputs of ``dtype``."""
     flags = dict(HAS_G=True, LOW=_low_precision(dtype, interpreted=False))
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
         ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_H0=True, DELTA=delta, **flags), True, None),
@@ -1065,7 +1071,7 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
                           dict(MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True), False, out_type))
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
-        config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype)
+        config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)
         constexprs = _constexprs(kernel, heads, value_heads, k_dim, v_dim, config, **kernel_flags)
         targets.append((name, kernel, _signature(kernel, dtype, constexprs, delta, out_type), constexprs, config, dots))
     return targets

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, for_device
+from . import arch_of, autotune, for_device
 
 # cache dtype -> how the kernels round a float32 value to it
 _CACHE_KINDS = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.int8: 1,
@@ -62,14 +62,23 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, max_kv: int,
-                   num_kv_heads: int, sm_count: int) -> Config:
-    """Heuristic: decode-heavy batches get 16 rows per program and split keys to fill the GPU."""
+                   num_kv_heads: int, sm_count: int, arch: int | None = None,
+                   cache_dtype: torch.dtype | None = None) -> Config:
+    """Heuristic: decode-heavy batches get 16 rows per program and split keys to fill the GPU;
+    prefill 32 rows on sm_80 (``arch``, the compute capability, ``triton_impl.arch_of``; None: not
+    CUDA), where 64 and 128 spilled with 16-bit tiles at head sizes 256 and 128. Decode from an
+    8-bit ``cache_dtype`` past head size 128, where ptxas stopped at 128 registers and spilled
+    (sm_90): int8 32-key tiles there, float8 two pipeline stages (their tiles are small)."""
     rows_per_token = triton.next_power_of_2(group)
     decode = num_tokens <= 2 * num_seqs
-    rows = 16 if decode else (64 if head_size > 128 else 128)
+    rows = 16 if decode else 32 if arch is not None and arch < 90 else 64 if head_size > 128 else 128
     block_q = max(1, rows // rows_per_token)
     # 64 at head size 128 spilled 1-2 KB per thread (ptxas -v); 32 at 256, up to 1 KB
     block_n = 16 if head_size > 128 else 32 if head_size > 64 else 64
+    wide_decode = decode and head_size > 128
+    if wide_decode and cache_dtype == torch.int8 and (arch is None or arch >= 90):  # sm_80 fits 16
+        block_n = 32
+    float8_cache = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     wanted = -(-2 * sm_count // max(1, programs))
     num_splits = triton.next_power_of_2(max(1, min(wanted, 16, -(-max_kv // (4 * block_n)))))
@@ -77,7 +86,7 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
     # block's shared memory (167,936 of 166,912 bytes at 256). Eight warps: with four, decode tiles
     # spilled up to 1.4 KB per thread (float32) at head sizes 64 and 128 (compiled_kernels.md).
     return Config(block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=8,
-                  num_stages=1 if head_size > 128 else 2)
+                  num_stages=1 if head_size > 128 and not (wide_decode and float8_cache) else 2)
 
 
 @triton.jit
@@ -363,7 +372,9 @@ def paged_attention_kernel(
         d_ok = dims < D
         q_rows = q_ptr + (token.to(tl.int64)[:, None] * HQ + head[:, None]) * D
         q_mask = row_ok[:, None]
-        QK_CHUNK: tl.constexpr = 64 if DP > 128 else DP  # slices only help at 256 (at 128 they spilled more)
+        # slices only help at 256 (at 128 they spilled more); float32 (tf32x3, operands split in
+        # two) in 32-wide ones: 64-wide float32 decode spilled 88 bytes on sm_90
+        QK_CHUNK: tl.constexpr = (32 if DOT_F32 else 64) if DP > 128 else DP
         q_ptrs = q_rows + tl.arange(0, QK_CHUNK)[None, :]
         q = q_ptrs  # (unused) sliced: read per slice in the loop
         if QK_CHUNK == DP:
@@ -513,14 +524,15 @@ def writes_own_pages(cu_q_lens, kv_lens, block_table, slot_mapping, block_size: 
 
 
 def config_space(num_tokens: int, num_seqs: int, group: int, head_size: int, max_kv: int, num_kv_heads: int,
-                 sm_count: int) -> list[Config]:
+                 sm_count: int, arch: int | None = None, cache_dtype: torch.dtype | None = None) -> list[Config]:
     """The configs an autotuner may try (``triton_impl.autotune``): the heuristic's, then 16 or 32
-    rows per program (decode) or 64 or 128 (prefill), 32 or 64 key positions a step, half, the
+    rows per program (decode) or 32, 64 or 128 (prefill), 32 or 64 key positions a step, half, the
     same or twice the heuristic's key-range splits, 4 or 8 warps; at least 16 rows (tl.dot's
     smallest tile). A config out of shared memory fails to launch and is skipped."""
-    default = default_config(num_tokens, num_seqs, group, head_size, max_kv, num_kv_heads, sm_count)
+    default = default_config(num_tokens, num_seqs, group, head_size, max_kv, num_kv_heads, sm_count, arch,
+                             cache_dtype)
     rows_per_token = triton.next_power_of_2(group)
-    rows = (16, 32) if num_tokens <= 2 * num_seqs else (64, 128)
+    rows = (16, 32) if num_tokens <= 2 * num_seqs else (32, 64, 128)
     splits = {max(1, default.num_splits // 2), default.num_splits, min(16, 2 * default.num_splits)}
     return autotune.space(default, lambda config: config.block_q * rows_per_token >= 16,
                           block_q=sorted({max(1, r // rows_per_token) for r in rows}), block_n=(32, 64),
@@ -548,7 +560,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         return out
     group = num_q_heads // num_kv_heads
     sizes = (num_tokens, num_seqs, group, head_size, block_table.shape[1] * block_size, num_kv_heads,
-             _sm_count(query.device))
+             _sm_count(query.device), arch_of(query.device), key_cache.dtype)
     config = config or autotune.choose(
         "paged_attention.ragged_paged_attention", query.device,
         dict(tokens=num_tokens, seqs=num_seqs, group=group, head_size=str(head_size), max_kv=sizes[4],
@@ -608,10 +620,12 @@ def write_compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, he
 
 
 def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128, group: int = 4,
-                    block_size: int = 16, decode: bool = True, fused: bool = False):
-    """(signature, constexprs, num_warps) to build the attention kernel ahead of time."""
+                    block_size: int = 16, decode: bool = True, fused: bool = False, arch: int = 90):
+    """(signature, constexprs, num_warps) to build the attention kernel ahead of time for compute
+    capability ``arch``."""
     q, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
-    config = default_config(64 if decode else 4096, 64, group, head_size, 8192, 8, sm_count=132)
+    config = default_config(64 if decode else 4096, 64, group, head_size, 8192, 8, sm_count=132, arch=arch,
+                            cache_dtype=cache_dtype)
     signature = {
         "q_ptr": q, "key_cache_ptr": cache, "value_cache_ptr": cache, "cu_q_lens_ptr": "*i32",
         "kv_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",

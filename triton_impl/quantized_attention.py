@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, for_device
+from . import arch_of, autotune, for_device
 from .linear_attention import _dot  # a @ b in float32: 16-bit operands when LOW, else tf32x3
 from .paged_attention import _round_to_fp8_grid, _sequence_of
 
@@ -96,14 +96,16 @@ def _interpreted_block(n: int, tile: int, most: int = 512) -> int:
 
 
 def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float16, pv_dtype: str = "fp16",
-                   interpreted: bool = False, num_q: int = 0, num_k: int = 0) -> Config:
+                   interpreted: bool = False, num_q: int = 0, num_k: int = 0, arch: int | None = None) -> Config:
     """Heuristic per kernel (``KERNELS``; the backward's preprocessing takes backward_dq's) for
     ``num_q`` query and ``num_k`` key rows of ``dtype``, from ptxas's registers at sm_80 and sm_90
     (tests/test_device_compile.py prints them):
 
     - forward: 128 query rows (SageAttention's tile) over 8 warps (4 spilled at head size 64); one
       pipeline stage at head size 96, whose padded, masked tiles spilled with two on sm_80; where
-      P.V multiplies float32 (tf32x3: three products of split operands), 64 rows, 32 at head size 64;
+      P.V multiplies float32 (tf32x3: three products of split operands), 64 rows, 32 at head size 64
+      and on sm_80 (``arch``, the compute capability, ``triton_impl.arch_of``; None: not CUDA), where
+      64 spilled at head size 128 (sm_90 keeps 64 for wgmma's 64-row tiles);
     - backward: 64 x 64 tiles for dQ; for dK and dV, which hold K, V and two ``[64, D]`` float32
       accumulators, 32 query rows a step (64 spilled at head size 128); float32 inputs 16 x 32 and
       16 x 16 over 8 warps (four spilled up to 56 bytes at head size 128; 32 x 32 spilled 200);
@@ -116,8 +118,9 @@ def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float
         if interpreted:
             return Config(block_m=_interpreted_block(num_q, 128), block_n=BLOCK_K, num_stages=1)
         if wide and pv_dtype == "none":
-            return Config(block_m=32, block_n=BLOCK_K, num_warps=4) if head_size <= 64 else \
-                Config(block_m=64, block_n=BLOCK_K, num_warps=8)
+            if head_size <= 64:
+                return Config(block_m=32, block_n=BLOCK_K, num_warps=4)
+            return Config(block_m=32 if arch is not None and arch < 90 else 64, block_n=BLOCK_K, num_warps=8)
         return Config(block_m=128, block_n=BLOCK_K, num_warps=8, num_stages=1 if head_size == 96 else 2)
     if interpreted:
         return Config(block_m=_interpreted_block(num_q, 64), block_n=_interpreted_block(num_k, 64), num_stages=1)
@@ -590,11 +593,11 @@ def _p_dtype(pv_dtype: str, dtype: torch.dtype):
 
 
 def config_space(kernel: str, head_size: int, dtype: torch.dtype = torch.float16, pv_dtype: str = "fp16",
-                 interpreted: bool = False, num_q: int = 0, num_k: int = 0) -> list[Config]:
+                 interpreted: bool = False, num_q: int = 0, num_k: int = 0, arch: int | None = None) -> list[Config]:
     """The configs an autotuner may try (``triton_impl.autotune``): the heuristic's, then for the
     forward 32 to 128 query rows (key rows stay the reference's tile), 4 or 8 warps, 1 or 2
     stages; for the backward 16 to 64 rows of each, 4 or 8 warps."""
-    default = default_config(kernel, head_size, dtype, pv_dtype, interpreted, num_q, num_k)
+    default = default_config(kernel, head_size, dtype, pv_dtype, interpreted, num_q, num_k, arch)
     if kernel == "forward":
         return autotune.space(default, block_m=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
     return autotune.space(default, block_m=(16, 32, 64), block_n=(16, 32, 64), num_warps=(4, 8))
@@ -602,11 +605,13 @@ def config_space(kernel: str, head_size: int, dtype: torch.dtype = torch.float16
 
 def _choose(kernel: str, q, run, key: dict, *heuristic_args) -> Config:
     """``kernel``'s config for this launch: tuned or cached per device (``triton_impl.autotune``),
-    else the heuristic (``default_config(kernel, *heuristic_args)``)."""
+    else the heuristic (``default_config(kernel, *heuristic_args)`` for ``q``'s GPU)."""
     batch, heads, num_q, head_size = q.shape
     key = dict(batch=batch, heads=heads, nq=num_q, head_size=str(head_size), **key, dtype=q.dtype)
+    arch = arch_of(q.device)
     return autotune.choose(f"quantized_attention.{kernel}", q.device, key,
-                           lambda: default_config(kernel, *heuristic_args), lambda: config_space(kernel, *heuristic_args),
+                           lambda: default_config(kernel, *heuristic_args, arch=arch),
+                           lambda: config_space(kernel, *heuristic_args, arch=arch),
                            run)
 
 
@@ -701,10 +706,10 @@ def quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_heads: int = 8):
+def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_heads: int = 8, arch: int = 90):
     """``(label, kernel, signature, constexprs, num_warps, num_stages, dots)`` for every kernel a
     forward (each ``pv_dtype``, the per_thread groups, causal, varlen, Q and K smoothed, the key
-    bias) and the backward launch on ``dtype`` inputs of ``head_size``, at their default configs on
+    bias) and the backward launch on ``dtype`` inputs of ``head_size``, at their default configs for compute capability ``arch`` on
     a GPU."""
     x = "*" + _TRITON_TYPES[dtype]
     dp = triton.next_power_of_2(head_size)
@@ -723,7 +728,7 @@ def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_head
                      **dict.fromkeys(constexprs, "constexpr"))
     targets.append(("value_fp8", value_fp8_kernel, signature, constexprs, 4, None, False))
     for pv_dtype in ("fp16", "fp8", "none"):
-        config = default_config("forward", head_size, dtype, pv_dtype)
+        config = default_config("forward", head_size, dtype, pv_dtype, arch=arch)
         p_dtype = _p_dtype(pv_dtype, dtype)
         constexprs = dict(HQ=heads, HKV=kv_heads, D=head_size, DP=dp, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           CAUSAL=True, P_DT=p_dtype, HAS_MEAN=True, HAS_BIAS=True, VARLEN=True, EMULATE=False)
@@ -746,7 +751,7 @@ def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_head
         ("backward_dkdv", backward_dkdv_kernel, "backward_dkdv",
          dict(lse_ptr="*fp32", delta_ptr="*fp32", dk_ptr=x, dv_ptr=x), dict(sm_scale="fp32", qk_scale="fp32"), {}),
     ):
-        config = default_config(config, head_size, dtype)
+        config = default_config(config, head_size, dtype, arch=arch)
         constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common, **extra)
         signature = {**inputs, **pointers, **sizes, **scalars, **dict.fromkeys(constexprs, "constexpr")}
         targets.append((name, kernel, signature, constexprs, config.num_warps, config.num_stages, True))
