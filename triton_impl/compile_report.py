@@ -357,14 +357,14 @@ def submit(pool, build: Build, arch: int):
     return pool.submit(analyze_by_name, build.kernel.fn.__module__, build.kernel.fn.__name__, fields, arch)
 
 
-def problems(row: dict, spill_allowance: int = 0) -> list[str]:
-    """What is wrong with one row: a spill (more than ``spill_allowance`` bytes, stores plus loads,
-    where one is tolerated), more shared memory than a block may have, a dot short of the
-    tensor-core instruction its operands and tile allow, a PTX not for its target."""
+def problems(row: dict) -> list[str]:
+    """What is wrong with one row: any spill (a spilled byte or stack frame), more shared memory
+    than a block may have, a dot short of the tensor-core instruction its operands and tile allow,
+    a PTX not for its target."""
     found = []
     if not row["targets_arch"]:
         found.append(f"PTX not for {row['arch']}")
-    if row["spill_bytes"] > spill_allowance or (row["stack_bytes"] and not spill_allowance):
+    if row["spill_bytes"] or row["stack_bytes"]:
         found.append(f"spills ({row['spill_stores']} bytes stored, {row['spill_loads']} loaded, "
                      f"{row['stack_bytes']} bytes of stack) at {row['registers']} registers")
     if row["shared_bytes"] > row["shared_limit"]:

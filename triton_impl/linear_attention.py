@@ -10,9 +10,10 @@ are in ``torch_kernels.reference.linear_attention``: per chunk of ``C = 64`` ste
 
 Chunked forward (three launches; ``beta=None`` skips the WY step, ``W = V``):
 
-1. ``wy_kernel``: ``T = (I + strict_lower(diag(beta) D * K K^T))^-1`` by forward substitution on
-   its four 16x16 diagonal blocks (all four at once, a row of each per ``[C, C]`` dot) and a block
-   merge by four ``tl.dot``s; then
+1. ``wy_kernel``: ``T = (I + strict_lower(diag(beta) D * K K^T))^-1`` in the chunk's two halves
+   (``[C/2, C/2]`` tiles: ``[C, C]`` float32 ones spilled registers on sm_80), each half's
+   inverse by forward substitution on its two 16x16 diagonal blocks (both at once, a row of each
+   per dot) and a block merge, and the block below them as ``-T22 A21 T11``; then
    ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K``, so that the effective values are
    ``W = U - Wk S0``.
 2. ``chunk_state_kernel``: one program per (sequence, value head, V block) walks the chunks: stores
@@ -110,8 +111,9 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     to spilling nearly everything once a kernel wants far more than 255 registers. So: 32-wide K
     blocks and 8 warps, V blocks of 64 for 16-bit inputs and 32 for float32 (16 in the kernels
     holding two ``[C, C]`` sums and ``T``, or ``Q K^T`` and ``dS``), one pipeline stage where a
-    loop reads back what it stored or holds the most; for float32, 4 warps for the WY step (its
-    ``[C, C]`` tf32x3 operands spilled at 8) and 16-wide K blocks for ``dq``, ``dk``. The
+    loop reads back what it stored or holds the most (and in the WY step, whose inverse sits at the
+    edge of 255 registers: 2 stages spilled); for float32, 16-wide K blocks for ``dq``, ``dk`` and
+    the WY step (16-wide V blocks there too). The
     interpreter, whose cost is per program and step, takes 64-wide tiles. ``arch``, the GPU's compute
     capability (``triton_impl.arch_of``; None: not CUDA, taken as sm_90): the float32 state backward
     takes 4 warps from sm_90 on (8 spilled there, 4 spilled on sm_80). The recurrent form
@@ -126,14 +128,13 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32,
+    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32, "wy": 16 if wide else 64,
                "chunk_state_backward": 16 if wide else 64}.get(kernel, 32 if wide else 64)
-    one_stage = ("chunk_state", "chunk_state_backward", "chunk_grad") + (("wy",) if wide else ())
-    stages = 1 if kernel in one_stage else 2
+    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy") else 2
     hopper = arch is None or arch >= 90
-    # float32 WY: tf32x3 operands of [C, C] tiles, replicated at 8
-    warps = 4 if wide and (kernel == "wy" or (kernel == "chunk_state_backward" and hopper)) else 8
-    block_k = 16 if wide and kernel == "chunk_grad" else 32  # float32 dq, dk: 32 wide spilled on sm_80
+    warps = 4 if wide and kernel == "chunk_state_backward" and hopper else 8
+    # float32 dq, dk and WY: 32 wide spilled on sm_80
+    block_k = 16 if wide and kernel in ("chunk_grad", "wy") else 32
     return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
 
 
@@ -205,17 +206,31 @@ def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
 
 
 @triton.jit
-def _block_diagonal_inverse(a, SB: tl.constexpr, C: tl.constexpr):
-    """The inverse of the block diagonal of ``I + a`` (blocks of ``SB``; ``a [C, C]`` strictly
+def _block_diagonal_inverse(a, SB: tl.constexpr, N: tl.constexpr):
+    """The inverse of the block diagonal of ``I + a`` (blocks of ``SB``; ``a [N, N]`` strictly
     lower): forward substitution in all blocks at once, row ``r`` of each block per step as one
-    ``[C, C]`` dot, so only 2D ``[C, C]`` tiles live in registers."""
-    idx = tl.arange(0, C)
+    ``[N, N]`` dot, so only 2D ``[N, N]`` tiles live in registers."""
+    idx = tl.arange(0, N)
     diag = tl.where(idx[:, None] // SB == idx[None, :] // SB, a, 0.0)
     eye = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
     x = eye
     for r in range(1, SB):
         step = (idx % SB == r)[:, None]
         x = tl.where(step, eye - _dot32(tl.where(step, diag, 0.0), x), x)
+    return x
+
+
+@triton.jit
+def _unit_lower_inverse(a, SB: tl.constexpr, N: tl.constexpr):
+    """``(I + a)^-1`` for ``a [N, N]`` strictly lower. ``I + a = Lb (I + M)`` with ``Lb`` its block
+    diagonal (blocks of ``SB``) and ``M = Lb^-1`` (the blocks below it), strictly block lower, so
+    ``M^(N / SB) = 0`` and the inverse is ``(I - M + M^2 - ...) Lb^-1`` exactly, taken by Horner."""
+    idx = tl.arange(0, N)
+    lb_inv = _block_diagonal_inverse(a, SB, N)
+    m = _dot32(lb_inv, tl.where(idx[:, None] // SB > idx[None, :] // SB, a, 0.0))
+    x = lb_inv
+    for _ in tl.static_range(N // SB - 1):
+        x = lb_inv - _dot32(m, x)
     return x
 
 
@@ -227,40 +242,60 @@ def wy_kernel(
     LOW: tl.constexpr,
 ):
     """``T``, ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K`` of chunk ``program_id(0)``
-    and value head ``program_id(1)`` (module docstring, step 1)."""
+    and value head ``program_id(1)`` (module docstring, step 1), in the chunk's two halves of
+    ``C / 2`` rows: ``[C, C]`` float32 tiles, whose tf32x3 operands sm_80's mma.sync holds over the
+    whole product depth, spilled registers; halves do not."""
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
     DT = k_ptr.dtype.element_ty
-    rows = t0 + tl.arange(0, C)
-    ok = rows < end
-    kk = tl.zeros([C, C], tl.float32)
+    HALF: tl.constexpr = C // 2
+    steps = tl.arange(0, HALF)
+    rows1 = t0 + steps
+    rows2 = rows1 + HALF
+    ok1 = rows1 < end
+    ok2 = rows2 < end
+    # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]]
+    kk11 = tl.zeros([HALF, HALF], tl.float32)
+    kk21 = tl.zeros([HALF, HALF], tl.float32)
+    kk22 = tl.zeros([HALF, HALF], tl.float32)
     for k0 in range(0, K, BK):
         dims = k0 + tl.arange(0, BK)
-        k = _rows(k_ptr, rows, ok, kh, H, dims, dims < K, K)
-        kk += _dot(k, tl.trans(k), LOW, DT)
-    beta = tl.load(beta_ptr + rows.to(tl.int64) * HV + hv, mask=ok, other=0.0)
-    g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
-    a = beta[:, None] * _decay(g, ok, ok, True, C) * kk
-    # I + A = Lb (I + M) with Lb its block diagonal and M = Lb^-1 (the blocks below it), strictly
-    # block lower: with C / SB = 4 blocks M^4 = 0, so T = (I - M + M^2 - M^3) Lb^-1 exactly,
-    # taken as Lb^-1 - M (Lb^-1 - M (Lb^-1 - M Lb^-1)) to keep few [C, C] tiles live.
-    steps = tl.arange(0, C)
-    lb_inv = _block_diagonal_inverse(a, SB, C)
-    m = _dot32(lb_inv, tl.where(steps[:, None] // SB > steps[None, :] // SB, a, 0.0))
-    t_inv = lb_inv - _dot32(m, lb_inv - _dot32(m, lb_inv - _dot32(m, lb_inv)))
+        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
+        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
+        kk11 += _dot(k1, tl.trans(k1), LOW, DT)
+        kk21 += _dot(k2, tl.trans(k1), LOW, DT)
+        kk22 += _dot(k2, tl.trans(k2), LOW, DT)
+    beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
+    beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
+    g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
+    g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HAS_G, HALF)
+    # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
+    across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
+    b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
+    # T = [[T11, 0], [T21, T22]]: T11 = (I + A11)^-1, T22 = (I + A22)^-1, T21 = -T22 A21 T11
+    t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
+    t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
+    t21 = -_dot32(t22, _dot32(beta2[:, None] * across * kk21, t11))
     if STORE_T:
-        _store_rows(t_ptr, t_inv, rows, ok, hv, HV, steps, steps < C, C)
+        _store_rows(t_ptr, t11, rows1, ok1, hv, HV, steps, steps < HALF, C)
+        _store_rows(t_ptr, tl.zeros([HALF, HALF], tl.float32), rows1, ok1, hv, HV, HALF + steps, steps < HALF, C)
+        _store_rows(t_ptr, t21, rows2, ok2, hv, HV, steps, steps < HALF, C)
+        _store_rows(t_ptr, t22, rows2, ok2, hv, HV, HALF + steps, steps < HALF, C)
     for k0 in range(0, K, BK):
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
-        k = _rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)
-        _store_rows(wk_ptr, _dot(t_inv, k * (beta * tl.exp(b))[:, None], LOW, DT), rows, ok, hv, HV, dims, k_ok, K)
+        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * (beta1 * tl.exp(b1))[:, None]
+        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * (beta2 * tl.exp(b2))[:, None]
+        _store_rows(wk_ptr, _dot(t11, k1, LOW, DT), rows1, ok1, hv, HV, dims, k_ok, K)
+        _store_rows(wk_ptr, _dot(t21, k1, LOW, DT) + _dot(t22, k2, LOW, DT), rows2, ok2, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
-        v = _rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        _store_rows(u_ptr, _dot(t_inv, v * beta[:, None], LOW, DT), rows, ok, hv, HV, cols, v_ok, V)
+        v1 = _rows(v_ptr, rows1, ok1, hv, HV, cols, v_ok, V) * beta1[:, None]
+        v2 = _rows(v_ptr, rows2, ok2, hv, HV, cols, v_ok, V) * beta2[:, None]
+        _store_rows(u_ptr, _dot(t11, v1, LOW, DT), rows1, ok1, hv, HV, cols, v_ok, V)
+        _store_rows(u_ptr, _dot(t21, v1, LOW, DT) + _dot(t22, v2, LOW, DT), rows2, ok2, hv, HV, cols, v_ok, V)
 
 
 @triton.jit
