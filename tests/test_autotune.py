@@ -61,8 +61,10 @@ def stub_timer(milliseconds: dict):
 
 
 @pytest.fixture
-def make_tuner(tmp_path):
-    """Installs a fresh tuner over ``tmp_path``'s cache folders (the installed one is restored)."""
+def make_tuner(tmp_path, monkeypatch):
+    """Installs a fresh tuner over ``tmp_path``'s cache folders (the installed one is restored),
+    with no TORCH_KERNELS_AUTOTUNE from the environment."""
+    monkeypatch.delenv(tuning.ENV_VAR, raising=False)
     installed = []
 
     def make(timer=None, search_interpreted=True):

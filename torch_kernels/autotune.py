@@ -26,27 +26,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import pathlib
 import re
-import tempfile
 import threading
 import warnings
 
 import torch
 
-from ._cache import cache_dir
+from ._cache import cache_dir, read_json, write_json
+from ._library import _tensors
 
 ENV_VAR = "TORCH_KERNELS_AUTOTUNE"
 FORMAT = 1
 SHIPPED = pathlib.Path(__file__).with_name("autotune_configs")
 _hook = None  # triton_impl.autotune, where the tuner is installed (None without Triton)
-
-
-def _cache_dir() -> pathlib.Path:
-    return cache_dir("autotune")
 
 
 @functools.cache
@@ -79,7 +74,7 @@ def _do_bench(run, config) -> float:
 def _agree(output, expected) -> bool:
     """Whether every floating tensor of ``output`` matches ``expected``'s: the same non-finite
     entries, the rest within a relative (Frobenius) error of 1e-4 for float32, 2e-2 for 16 bits."""
-    outputs, expecteds = _tensors(output), _tensors(expected)
+    outputs, expecteds = list(_tensors(output)), list(_tensors(expected))
     if len(outputs) != len(expecteds):
         return False
     for got, want in zip(outputs, expecteds):
@@ -100,14 +95,6 @@ def _agree(output, expected) -> bool:
     return True
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 class Autotune:
     """The tuner ``torch_kernels`` installs (as :data:`autotune`); the module docstring says what
     it does. ``autotune()`` is a context manager turning the search on for the calls inside."""
@@ -121,7 +108,7 @@ class Autotune:
         self._shipped_dir = pathlib.Path(shipped_dir)
         self._timer = timer
         self._search_interpreted = search_interpreted
-        self._searching = 0  # depth of `with autotune():`
+        self._searching = False  # inside `with autotune():`
         self._lock = threading.RLock()
         self.clear()
 
@@ -131,7 +118,7 @@ class Autotune:
     def __call__(self, enabled: bool = True):
         """Inside: a cache miss searches (``enabled``) or takes the heuristic (``enabled=False``)."""
         with self._lock:
-            previous, self._searching = self._searching, (self._searching + 1 if enabled else 0)
+            previous, self._searching = self._searching, enabled
         try:
             yield self
         finally:
@@ -167,7 +154,7 @@ class Autotune:
 
     def cache_path(self, device: str) -> pathlib.Path:
         """The user cache file of ``device`` (a :func:`device_name`)."""
-        return (self._cache_dir or _cache_dir()) / f"{device}.json"
+        return (self._cache_dir or cache_dir("autotune")) / f"{device}.json"
 
     # ---- the hook: triton_impl.autotune.choose ----
 
@@ -255,31 +242,16 @@ class Autotune:
     def _write(self, path: pathlib.Path, name: str, records: dict) -> pathlib.Path:
         """Merge ``records`` into the cache file ``path`` and replace it atomically."""
         with self._lock:
-            path.parent.mkdir(parents=True, exist_ok=True)
             merged = {**_read(path, quiet=True), **records}
-            contents = {"format": FORMAT, "device": name, "configs": dict(sorted(merged.items()))}
-            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w") as file:
-                    json.dump(contents, file, indent=1)
-                    file.write("\n")
-                os.replace(temporary, path)
-            except BaseException:
-                os.unlink(temporary)
-                raise
+            write_json(path, {"format": FORMAT, "device": name, "configs": dict(sorted(merged.items()))})
         return path
 
 
 def _read(path: pathlib.Path, quiet: bool = False) -> dict:
     """The entries of the cache file ``path`` ({} if there is none); a file that is not one is
     ignored with a warning."""
-    try:
-        contents = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        if not quiet:
-            warnings.warn(f"autotune: ignoring the unreadable cache file {path}: {error}", stacklevel=2)
+    contents = read_json(path, "cache file", quiet)
+    if contents is None:
         return {}
     configs = contents.get("configs") if isinstance(contents, dict) else None
     if (not isinstance(configs, dict) or contents.get("format") != FORMAT

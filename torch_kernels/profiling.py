@@ -21,7 +21,6 @@ trace, and a range covers the backend kernel only, not the op the formulas descr
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import platform
@@ -34,7 +33,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import _library, backends
-from ._cache import cache_dir
+from ._cache import cache_dir, read_json, write_json
 
 __all__ = ["profile", "calibrate_device", "DevicePeaks", "device_name"]
 
@@ -76,21 +75,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_path() -> pathlib.Path:
-    return cache_dir(CACHE_FILE)
-
-
-def _read_cache(path: pathlib.Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        warnings.warn(f"torch_kernels: ignoring the unreadable peaks cache {path}: {e}", stacklevel=3)
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def calibrate_device(device: torch.device | str | None = None, *, refresh: bool = False) -> DevicePeaks:
     """The peaks of ``device`` (default: the current accelerator, else the CPU), measured once.
 
@@ -104,8 +88,9 @@ def calibrate_device(device: torch.device | str | None = None, *, refresh: bool 
         device = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else "cpu"
     device = torch.device(device)
     name = device_name(device)
-    path = _cache_path()
-    cache = _read_cache(path)
+    path = cache_dir(CACHE_FILE)
+    cache = read_json(path, "peaks cache")
+    cache = cache if isinstance(cache, dict) else {}
     entry = cache.get(name)
     if entry is not None and not refresh:
         try:
@@ -114,10 +99,7 @@ def calibrate_device(device: torch.device | str | None = None, *, refresh: bool 
             warnings.warn(f"torch_kernels: ignoring a malformed entry for {name!r} in {path}", stacklevel=2)
     peaks = measure_peaks(device)
     cache[name] = dataclasses.asdict(peaks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
-    partial.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    write_json(path, dict(sorted(cache.items())))
     return peaks
 
 

@@ -21,6 +21,7 @@ import torch
 
 from .. import _checks, backends
 from .._library import define, register_cost, tensor_bytes
+from .._memo import LastBatch
 from ..reference import paged_attention as reference
 
 WRITE_OP = "reshape_and_cache"
@@ -239,41 +240,22 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale=Non
     ])
 
 
-class _LastPassed:
-    """The inputs of the last call that passed a check, kept by value (copies): a call with equal
-    values would pass again, so the check is skipped. A model's layers repeat one batch
-    description per step. Comparing by value (``torch.equal``) and not by identity or version
-    counter, since serving engines refill persistent index buffers in place, through numpy views
-    that no version counter sees. Only on the CPU, where reading tensors on the host is free."""
-
-    def __init__(self) -> None:
-        self._last: tuple = ((), ())  # (scalars, tensor copies), replaced whole: no torn reads
-
-    def passed(self, scalars: tuple, *tensors: torch.Tensor) -> bool:
-        """Whether these values passed last time."""
-        last_scalars, last_tensors = self._last
-        return scalars == last_scalars and len(tensors) == len(last_tensors) and all(
-            t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for t, u in zip(tensors, last_tensors))
-
-    def remember(self, scalars: tuple, *tensors: torch.Tensor) -> None:
-        """Record values that just passed."""
-        self._last = (scalars, tuple(t.clone() for t in tensors))
+# checks skipped, but for the scales, for a batch equal to the last that passed (a model's layers
+# repeat one batch description per step); on the CPU, where reading tensors on the host is free
+_lengths_passed, _slots_passed = LastBatch(), LastBatch()
 
 
-_lengths_passed, _slots_passed = _LastPassed(), _LastPassed()
-
-
-def _check_once(passed: _LastPassed, check: Callable[[], None], scalars: tuple, tensors: tuple,
+def _check_once(passed: LastBatch, check: Callable[[], None], scalars: tuple, tensors: tuple,
                 k_scale=None, v_scale=None) -> None:
     """``check()``, which reads only ``tensors``, ``scalars`` and the scales; skipped, but for the
     scales, when ``tensors`` and ``scalars`` equal the last ones that passed it (on the CPU)."""
     on_cpu = tensors[0].is_cpu
-    if on_cpu and passed.passed(scalars, *tensors):
+    if on_cpu and passed.get(scalars, *tensors):
         _raise_first([(bool(bad), message) for bad, message in _scale_checks(k_scale=k_scale, v_scale=v_scale)])
         return
     check()
     if on_cpu:
-        passed.remember(scalars, *tensors)
+        passed.put(True, scalars, *tensors)
 
 
 def _check_lengths_once(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale) -> None:

@@ -52,6 +52,8 @@ import math
 
 import torch
 
+from .._memo import LastBatch
+
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 # The CPU default's tiles: query rows per unit (64 ran fastest), and budgets in float32 elements
@@ -249,19 +251,18 @@ class _Group:
     out_start: int | None
 
 
-_last_plan: tuple | None = None  # (key, block_table copy, groups) of the last batch planned
+_last_plan = LastBatch()  # the groups of the last batch planned
 
 
 def _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window) -> list[_Group]:
     """The groups of a batch: the last call's when the batch is the same (compared by value)."""
-    global _last_plan
     _, block_size, num_kv_heads, head_size = key_cache.shape
     cu, kv = cu_q_lens.tolist(), kv_lens.tolist()
     key = (tuple(cu), tuple(kv), tuple(query.shape), key_cache.shape, query.device, block_table.shape, sliding_window,
            _MAX_Q_TILE, _KEY_TILE_ELEMENTS, _LOGIT_TILE_ELEMENTS, _GROUP_WASTE)
-    last = _last_plan
-    if last is not None and last[0] == key and torch.equal(last[1], block_table):
-        return last[2]
+    groups = _last_plan.get(key, block_table)
+    if groups is not None:
+        return groups
     units = []
     for s, kv_len in enumerate(kv):
         start, end = cu[s], cu[s + 1]
@@ -276,7 +277,7 @@ def _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window) -> 
     logit_elements = query.shape[1] * block_size  # of a row's logits over a page, all heads
     groups = [_group(group, block_table, block_size, sliding_window, key_elements, logit_elements)
               for group in _grouped(units, key_elements, logit_elements)]
-    _last_plan = (key, block_table.clone(), groups)
+    _last_plan.put(groups, key, block_table)
     return groups
 
 
