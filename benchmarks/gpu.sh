@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
         --wheels) wheels="${2:?--wheels needs a folder}"; shift ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         -*) echo "gpu.sh: unknown option $1" >&2; exit 2 ;;
         *) [ -z "$out" ] || { echo "gpu.sh: one OUT_DIR only" >&2; exit 2; }; out="$1" ;;
     esac
@@ -119,7 +119,8 @@ cp "$out/logs/doctor.log" "$out/doctor.txt"
 
 if "$python" -c 'import pytest' > /dev/null 2>&1; then
     # addopts cleared: the project's "-n 2" needs pytest-xdist, which a GPU machine may lack
-    run_step device_tests 100 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
+    # every backend the module needs (triton) must run: a skip there would hide the whole check
+    run_step device_tests 100 env TORCH_KERNELS_REQUIRE_ALL_BACKENDS=1 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
         tests/test_on_device.py
     cp "$out/logs/device_tests.log" "$out/device_tests.txt"
 else
@@ -131,14 +132,17 @@ fi
 # under $TORCH_KERNELS_CACHE as soon as it ends, so a step cut short keeps what it found); the
 # benchmarks below then run on those configs; the cache is saved to OUT_DIR/autotune/<device>.json,
 # ready to ship in torch_kernels/autotune_configs/. CPU tensors never search: the dry run saves an
-# empty cache, after one benchmark's pass (the loop's logic, at the cost of one family).
+# empty cache, after one benchmark's pass (the steps' logic, at the cost of one family). One step per
+# family, so that one family's searches cannot spend the others' time.
 tuned_families="paged_attention quantized_attention moe linear_attention ood"
 [ "$dry_run" = 0 ] || tuned_families="ood"
 export TORCH_KERNELS_CACHE="$out/cache"
-run_step autotune 120 env TORCH_KERNELS_AUTOTUNE=1 bash -c '
-    for name in $3; do
-        "$0" "benchmarks/$name.py" --gpu --device "$1" --out "$2/logs/autotune-runs" --budget 0.05 || exit 1
-    done' "$python" "$device" "$out" "$tuned_families"
+for name in $tuned_families; do
+    limit=()
+    [ "$name" != paged_attention ] || limit=(--time-limit 15)
+    run_step "autotune-$name" 20 env TORCH_KERNELS_AUTOTUNE=1 "$python" "benchmarks/$name.py" --gpu --device "$device" \
+        --out "$out/logs/autotune-runs" --budget 0.05 ${limit[@]+"${limit[@]}"}
+done
 run_step autotune-save 30 "$python" -c 'import sys; from torch_kernels.autotune import autotune
 print(autotune.export(sys.argv[1], sys.argv[2]))' "$device" "$out/autotune"
 

@@ -3,8 +3,8 @@
     python benchmarks/gpu_summary.py OUT_DIR [--device cuda|cpu]
 
 Reads the ``*-gpu.json`` files the family benchmarks wrote to OUT_DIR (and ``steps.tsv``, the
-script's record of each step), measures the device's peaks (``torch_kernels.profiling.calibrate_device``
-where it exists, else a copy and a bf16 matmul here), and writes ``summary.md`` and ``summary.json``.
+script's record of each step), looks up the device's peaks (``torch_kernels.profiling.calibrate_device``, for
+the page; each goal uses the rates its benchmark measured), and writes ``summary.md`` and ``summary.json``.
 Goals (set for an H200 in the family issues): paged-attention decode at 85% of the copy bandwidth
 and prefill at 60% of the matmul rate (each against the copy and matmul rates the benchmark
 measured in its own run); Gated DeltaNet forward+backward at least as fast as fla's for T >= 4k;

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -222,6 +223,7 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
                   nn.Parameter(w13.detach()[0].clone()))
 
 
+@functools.cache  # a failed import is retried on every call otherwise
 def transformers_note() -> str | None:
     """Why transformers' experts (the block's baseline) are left out, or None when they import."""
     try:

@@ -33,7 +33,7 @@ def test_dry_run_writes_every_file_and_every_goal(tmp_path):
         steps.setdefault(step, []).append(status)
     for step in ("install", "doctor", "device_tests", *FAMILIES):
         assert steps.get(step) == ["ok"], f"{step}: {steps.get(step)}; see {out}/logs/{step}.log"
-    assert steps.get("autotune") == ["ok"] and steps.get("autotune-save") == ["ok"], steps
+    assert steps.get("autotune-ood") == ["ok"] and steps.get("autotune-save") == ["ok"], steps
     saved = json.loads((out / "autotune" / "cpu.json").read_text())  # CPU tensors never search: empty
     assert saved == {"format": 1, "device": "cpu", "configs": {}}
     for peer in ("peer-fla-core", "peer-sageattention"):

@@ -228,8 +228,7 @@ def params(cases):
         reason = skip_reason(case)
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         for dtype in case.dtypes or DTYPES:
-            if CUDA or case.gpu_only or dtype in DTYPES:
-                out.append(pytest.param(case, dtype, marks=marks, id=f"{case.name}-{str(dtype).removeprefix('torch.')}"))
+            out.append(pytest.param(case, dtype, marks=marks, id=f"{case.name}-{str(dtype).removeprefix('torch.')}"))
     return out
 
 

@@ -146,15 +146,12 @@ def paged_attention_builds(head_size: int, cases, arch: int = 90) -> list[Build]
 
     builds = []
     for query_dtype, cache_dtype, decode, fused in cases:
-        signature, constexprs, num_warps = pa.compile_targets(query_dtype, cache_dtype, head_size=head_size,
-                                                              decode=decode, fused=fused, arch=arch)
-        # the config compile_targets chose: its stages are not in what it returns
-        config = pa.default_config(64 if decode else 4096, 64, constexprs["G"], head_size, 8192, constexprs["HKV"],
-                                   sm_count=132, arch=arch, cache_dtype=cache_dtype)
+        signature, constexprs, config = pa.compile_targets(query_dtype, cache_dtype, head_size=head_size,
+                                                           decode=decode, fused=fused, arch=arch)
         label = (f"{_name(query_dtype)} q, {_name(cache_dtype)} cache, {'decode' if decode else 'prefill'}"
                  f"{', fused' if fused else ''}, D={head_size}")
         builds.append(Build("paged_attention", f"paged_attention {label}", pa.paged_attention_kernel, signature,
-                            constexprs, num_warps, config.num_stages))
+                            constexprs, config.num_warps, config.num_stages))
         write_signature, write_constexprs = pa.write_compile_targets(query_dtype, cache_dtype, head_size,
                                                                      constexprs["HKV"], constexprs["BLOCK_SIZE"])
         builds.append(Build("paged_attention", f"reshape_and_cache {label}", pa.reshape_and_cache_kernel,

@@ -32,9 +32,10 @@ class Config:
 def default_config(b: int, d: int, c: int) -> Config:
     """Heuristic: narrower row blocks when many classes share the registers; 32-wide whitening
     tiles, 16 wide under many classes (the class dot goes through FMAs over a whole ``BLOCK_N``):
-    64-wide ones spilled (ptxas fell back to 32 registers at 150 classes). Compiled for sm_80 and
-    sm_90 (benchmarks/results/compiled_kernels.md) none spills: 64-row blocks take 8 warps (4
-    spilled up to 208 bytes for float32 x), many classes 16-deep K steps (32 spilled 76)."""
+    64-wide ones spilled (ptxas fell back to 32 registers at 150 classes). None spills for sm_80
+    or sm_90 (benchmarks/results/compiled_kernels.md): 64-row blocks take 8 warps and many classes
+    16-deep K steps (measured once with the earlier 4 warps and 32-deep steps: spills of up to 208
+    and 76 bytes, not in the report, which holds the defaults only)."""
     small = max(16, triton.next_power_of_2(d))
     if c > 64:
         return Config(block_b=32, block_n=min(16, small), block_k=min(16, small), num_warps=8)

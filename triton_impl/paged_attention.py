@@ -84,7 +84,8 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
     num_splits = triton.next_power_of_2(max(1, min(wanted, 16, -(-max_kv // (4 * block_n)))))
     # one stage past head size 128: two copies of float32 key and value tiles there exceed an A100
     # block's shared memory (167,936 of 166,912 bytes at 256). Eight warps: with four, decode tiles
-    # spilled up to 1.4 KB per thread (float32) at head sizes 64 and 128 (compiled_kernels.md).
+    # spilled up to 1.4 KB per thread (float32) at head sizes 64 and 128 (measured once; the
+    # report, compiled_kernels.md, holds the defaults only).
     return Config(block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=8,
                   num_stages=1 if head_size > 128 and not (wide_decode and float8_cache) else 2)
 
@@ -621,8 +622,8 @@ def write_compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, he
 
 def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128, group: int = 4,
                     block_size: int = 16, decode: bool = True, fused: bool = False, arch: int = 90):
-    """(signature, constexprs, num_warps) to build the attention kernel ahead of time for compute
-    capability ``arch``."""
+    """(signature, constexprs, config) to build the attention kernel ahead of time for compute
+    capability ``arch``, with the config a launch of these sizes takes."""
     q, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
     config = default_config(64 if decode else 4096, 64, group, head_size, 8192, 8, sm_count=132, arch=arch,
                             cache_dtype=cache_dtype)
@@ -641,4 +642,4 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
         "FIX_FP8_SPECIALS": False,
     }
     signature.update({name: "constexpr" for name in constexprs})
-    return signature, constexprs, config.num_warps
+    return signature, constexprs, config
