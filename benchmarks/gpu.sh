@@ -113,15 +113,18 @@ done
 if [ "$dry_run" = 1 ]; then
     run_step doctor 60 "$python" -m torch_kernels doctor --device cpu --backends reference,triton --dtypes float32
 else
-    run_step doctor 60 "$python" -m torch_kernels doctor --device cuda
+    run_step doctor 90 "$python" -m torch_kernels doctor --device cuda
 fi
 cp "$out/logs/doctor.log" "$out/doctor.txt"
 
 if "$python" -c 'import pytest' > /dev/null 2>&1; then
     # addopts cleared: the project's "-n 2" needs pytest-xdist, which a GPU machine may lack
     # every backend the module needs (triton) must run: a skip there would hide the whole check
-    run_step device_tests 100 env TORCH_KERNELS_REQUIRE_ALL_BACKENDS=1 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
-        tests/test_on_device.py
+    # with pytest-xdist the cases compile their kernels in parallel (compiling, not the GPU, is the cost)
+    workers=()
+    [ "$dry_run" = 1 ] || ! "$python" -c 'import xdist' > /dev/null 2>&1 || workers=(-n 8)
+    run_step device_tests 150 env TORCH_KERNELS_REQUIRE_ALL_BACKENDS=1 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
+        ${workers[@]+"${workers[@]}"} tests/test_on_device.py
     cp "$out/logs/device_tests.log" "$out/device_tests.txt"
 else
     note device_tests "pytest is not installed: device tests not run"
