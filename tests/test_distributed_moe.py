@@ -216,7 +216,7 @@ def test_a_failed_rank_makes_the_others_fail_clearly(how):
     start = time.monotonic()
     with pytest.raises(RankFailed) as failure:
         run_local(failing_rank, 2, how, timeout=4)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 300  # a hang guard: the group times out after 4 s
     assert "moe_dispatch: the all-to-all over the group failed on rank 0 of 2" in failure.value.errors[0]
     if how == "raises":
         assert "rank 1 fails on purpose" in failure.value.errors[1]

@@ -148,13 +148,13 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
                                  sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                                  v_scale=None, key=None, value=None, slot_mapping=None):
     """The definition: for each sequence, gather its pages, attend causally, one at a time."""
-    num_kv_heads = key_cache.shape[2]
-    k_scale = torch.ones(num_kv_heads) if k_scale is None else k_scale.float().expand(num_kv_heads)
-    v_scale = torch.ones(num_kv_heads) if v_scale is None else v_scale.float().expand(num_kv_heads)
+    num_kv_heads, device = key_cache.shape[2], query.device
+    k_scale = torch.ones(num_kv_heads, device=device) if k_scale is None else k_scale.float().expand(num_kv_heads)
+    v_scale = torch.ones(num_kv_heads, device=device) if v_scale is None else v_scale.float().expand(num_kv_heads)
     _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
     block_size = key_cache.shape[1]
     group = query.shape[1] // num_kv_heads
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=device)
     for s in range(len(kv_lens)):
         start, end, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
         if start == end:
@@ -171,8 +171,8 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
         v = dequantize(v.masked_fill(bad_kv[..., None], 0.0), v_scale).repeat_interleave(group, dim=1)
         q = q.masked_fill(bad_q[..., None], 0.0)
         logits = _capped(torch.einsum("qhd,khd->hqk", q, k) * sm_scale, soft_cap)
-        q_pos = torch.arange(kv_len - (end - start), kv_len)[:, None]
-        seen = _visible(q_pos, torch.arange(kv_len)[None, :], sliding_window)  # [q_len, kv_len]
+        q_pos = torch.arange(kv_len - (end - start), kv_len, device=device)[:, None]
+        seen = _visible(q_pos, torch.arange(kv_len, device=device)[None, :], sliding_window)  # [q_len, kv_len]
         weights = logits.masked_fill(~seen, float("-inf")).softmax(dim=-1)
         rows = torch.einsum("hqk,khd->qhd", weights, v)
         sees_bad = (seen[:, None, :] & bad_kv.repeat_interleave(group, dim=1).T[None]).any(dim=-1)  # [q_len, Hq]
