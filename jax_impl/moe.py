@@ -5,8 +5,9 @@ maps of :func:`sort_by_expert`), widens float16 and pads index arrays around the
 
 - ``router_topk``: one grid step per block of tokens holds all E scores: softmax or sigmoid,
   the group limit (top-2 sum per group, ``topk_groups`` rounds of argmax over groups), then
-  ``top_k`` rounds of argmax (first index on ties, as torch.topk on CPU), weights from the
-  unbiased scores.
+  ``top_k`` rounds of argmax, weights from the unbiased scores. The choice rule is
+  ``reference.router_topk``'s: by the logits, or by ``scores + bias`` with a bias; NaN ranks as
+  -inf; equal values go to the lowest index; a row with a NaN logit gets NaN weights.
 - ``moe_gather`` / ``moe_combine``: rows fetched from HBM by DMA at indices read from SMEM.
   16-bit rows are widened to float32 before the kernel, so that every row copy moves whole
   32-bit sublanes (a single 16-bit row is half of a packed sublane). The combine adds a token's
@@ -137,57 +138,80 @@ def _activate(gate, up, activation: str):
 
 # ---- routing ----
 
+def _no_nan(values):
+    return jnp.where(values == values, values, -jnp.inf)
+
+
+_CLOSED = -2 ** 31  # the key of an expert or group out of the running: below every _order_key
+
+
+def _order_key(x):
+    """int32 keys in the order of float32 ``x``, NaN as -inf and -0.0 as 0.0; all above ``_CLOSED``."""
+    bits = jax.lax.bitcast_convert_type(_no_nan(x), jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
+    return jnp.where(key == -1, 0, key)  # -0.0
+
+
 def _router_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, scoring, renormalize, num_groups,
-                   topk_groups, scaling):
+                   topk_groups, has_bias, scaling):
     logits = logits_ref[...].astype(jnp.float32)
     rows, num_experts = logits.shape
     lane = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    if scoring == "softmax":
+    if scoring == "softmax":  # a NaN logit makes the whole row NaN
         exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
         scores = exp / jnp.sum(exp, axis=1, keepdims=True)
     else:
         scores = _sigmoid(logits)
-    choice = scores + bias_ref[...]
+    biased = scores + bias_ref[...]
 
-    def first_max(values):
-        """Per row: the largest value and the first lane holding it (clamped: a NaN row has none)."""
-        best = jnp.max(values, axis=1, keepdims=True)
-        at = jnp.min(jnp.where(values == best, lane, num_experts), axis=1, keepdims=True)
-        return best, jnp.minimum(at, num_experts - 1)
+    def first_max(keys, positions, none):
+        """Per row: the first position holding the largest key."""
+        best = jnp.max(keys, axis=1, keepdims=True)
+        return jnp.min(jnp.where(keys == best, positions, none), axis=1, keepdims=True)
 
+    allowed = None
     if num_groups is not None:
+        biased = _no_nan(biased)
         size = num_experts // num_groups
         members = [(lane >= g * size) & (lane < (g + 1) * size) for g in range(num_groups)]
         group_lane = jax.lax.broadcasted_iota(jnp.int32, (rows, num_groups), 1)
         group_scores = jnp.zeros((rows, num_groups), jnp.float32)
-        for g, inside in enumerate(members):
-            values = jnp.where(inside, choice, -jnp.inf)
-            best, at = first_max(values)
+        for g, inside in enumerate(members):  # the sum of the group's two best biased scores
+            values = jnp.where(inside, biased, -jnp.inf)
+            best = jnp.max(values, axis=1, keepdims=True)
             if size > 1:
+                at = jnp.min(jnp.where(values == best, lane, num_experts), axis=1, keepdims=True)
                 best = best + jnp.max(jnp.where(lane == at, -jnp.inf, values), axis=1, keepdims=True)
             group_scores = jnp.where(group_lane == g, best, group_scores)
+        group_keys = _order_key(group_scores)
         kept = jnp.zeros((rows, num_groups), jnp.bool_)
         for _ in range(topk_groups):
-            best = jnp.max(group_scores, axis=1, keepdims=True)
-            at = jnp.min(jnp.where(group_scores == best, group_lane, num_groups), axis=1, keepdims=True)
+            at = first_max(group_keys, group_lane, num_groups)
             kept = kept | (group_lane == at)
-            group_scores = jnp.where(group_lane == at, -jnp.inf, group_scores)
+            group_keys = jnp.where(group_lane == at, _CLOSED, group_keys)
         allowed = jnp.zeros(logits.shape, jnp.bool_)
         for g, inside in enumerate(members):
             allowed = allowed | (inside & kept[:, g:g + 1])
-        choice = jnp.where(allowed, choice, -jnp.inf)
+    # ranked by the biased scores with a bias, else by the logits (the scores' order, without the
+    # ties of probabilities that underflowed or rounded alike)
+    choice = _order_key(biased if has_bias else logits)
+    if allowed is not None:
+        choice = jnp.where(allowed, choice, _CLOSED)
 
     slot = jax.lax.broadcasted_iota(jnp.int32, (rows, top_k), 1)
     ids = jnp.zeros((rows, top_k), jnp.int32)
     weights = jnp.zeros((rows, top_k), jnp.float32)
-    for j in range(top_k):  # descending by choice score, as torch.topk(sorted=True)
-        _, at = first_max(choice)
+    for j in range(top_k):  # best first
+        at = first_max(choice, lane, num_experts)
         picked = jnp.sum(jnp.where(lane == at, scores, 0.0), axis=1, keepdims=True)
         ids = jnp.where(slot == j, at, ids)
         weights = jnp.where(slot == j, picked, weights)
-        choice = jnp.where(lane == at, -jnp.inf, choice)
+        choice = jnp.where(lane == at, _CLOSED, choice)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+    if scoring == "sigmoid":  # a NaN logit makes its row NaN here too
+        weights = jnp.where(jnp.max(jnp.where(scores == scores, 0.0, 1.0), axis=1, keepdims=True) > 0, jnp.nan,
+                            weights)
     weights_ref[...] = weights * scaling
     ids_ref[...] = ids
 
@@ -208,7 +232,7 @@ def router_topk(logits, top_k, scoring="softmax", renormalize=True, num_expert_g
     weights, ids = pl.pallas_call(
         functools.partial(_router_kernel, top_k=top_k, scoring=scoring, renormalize=renormalize,
                           num_groups=num_expert_groups, topk_groups=topk_groups,
-                          scaling=float(routed_scaling_factor)),
+                          has_bias=correction_bias is not None, scaling=float(routed_scaling_factor)),
         grid=(_cdiv(num_tokens, rows),),
         in_specs=[pl.BlockSpec((rows, num_experts), lambda i: (i, 0)),
                   pl.BlockSpec((1, num_experts), lambda i: (0, 0))],
@@ -684,24 +708,35 @@ class Kernels:
     fused_moe: object
 
 
+def _ranked(values, excluded=None):
+    """Each row's indices, best first: larger first, NaN counted as -inf, equal values (-0.0 and
+    0.0 too: sorts order them apart) by lowest index, ``excluded`` positions after all others."""
+    values = _no_nan(values)
+    keys = (-jnp.where(values == 0, 0.0, values),)
+    return jnp.lexsort(keys if excluded is None else keys + (excluded,), axis=-1)
+
+
 def router_topk_reference(logits, top_k, scoring="softmax", renormalize=True, num_expert_groups=None,
                           topk_groups=None, correction_bias=None, routed_scaling_factor=1.0):
-    """:func:`router_topk` in jnp (``lax.top_k`` takes the first index on ties, as the kernel)."""
+    """:func:`router_topk` in jnp, with its choice rule."""
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
-    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    biased = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    choice = logits if correction_bias is None else biased
+    excluded = None
     if num_expert_groups is not None:
         num_tokens, num_experts = choice.shape
         size = num_experts // num_expert_groups
-        grouped = choice.reshape(num_tokens, num_expert_groups, size)
-        group_scores = jax.lax.top_k(grouped, min(2, size))[0].sum(axis=-1)
-        kept = jax.lax.top_k(group_scores, topk_groups)[1]
+        grouped = _no_nan(biased).reshape(num_tokens, num_expert_groups, size)
+        group_scores = jax.lax.top_k(grouped, min(2, size))[0].sum(axis=-1)  # values: order moot
+        kept = _ranked(group_scores)[:, :topk_groups]
         mask = jnp.zeros(group_scores.shape, jnp.bool_).at[jnp.arange(num_tokens)[:, None], kept].set(True)
-        choice = jnp.where(jnp.repeat(mask, size, axis=1), choice, -jnp.inf)
-    ids = jax.lax.top_k(choice, top_k)[1]
+        excluded = ~jnp.repeat(mask, size, axis=1)
+    ids = _ranked(choice, excluded)[:, :top_k]
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
+    weights = jnp.where(jnp.isnan(logits).any(axis=-1, keepdims=True), jnp.nan, weights)
     return weights * routed_scaling_factor, ids.astype(jnp.int32)
 
 

@@ -298,17 +298,22 @@ __kernel void moe_combine(__global const void *y, __global const long *row_of_sl
 }
 
 // ---- router_topk ------------------------------------------------------------------------------
+// The choice rule of reference.router_topk: experts ranked by their logits, or by score + bias
+// with a bias; NaN ranks as -inf; equal values go to the lowest index; a row with a NaN logit
+// gets NaN weights. Ranked values are never NaN, so NaN marks an expert out of the running (in an
+// excluded group).
 
-// Next of the order torch.topk(sorted=True) walks: the largest value below (value, index), ties
-// to the lower index; -1 if none. `stride` steps through a group's members.
-static int next_largest(__global const float *v, int count, int stride, float prev_value, int prev_index,
-                        int first) {
+static float ranked_value(float x) { return isnan(x) ? -INFINITY : x; }
+
+// Next of the ranking after (prev_value, prev_index): the largest value below it, equal values by
+// lowest index; the first of the ranking if `first`; -1 if none. NaN positions are skipped.
+static int next_largest(__global const float *v, int count, float prev_value, int prev_index, int first) {
     int best = -1;
     float best_value = 0.0f;
     for (int i = 0; i < count; ++i) {
-        const float value = v[i * stride];
+        const float value = v[i];
         const bool after = first || value < prev_value || (value == prev_value && i > prev_index);
-        if (after && (best < 0 || value > best_value)) {
+        if (!isnan(value) && after && (best < 0 || value > best_value)) {
             best = i;
             best_value = value;
         }
@@ -316,11 +321,11 @@ static int next_largest(__global const float *v, int count, int stride, float pr
     return best;
 }
 
-// One work-item per token. scratch [T, E + G] holds the token's choice values (scores + bias,
-// -inf outside the kept groups) and group scores. Range: (T).
+// One work-item per token. scratch [T, E + G] holds the token's ranked values (NaN outside the
+// kept groups) and group scores. Range: (T).
 __kernel void router_topk(__global const a_t *logits, __global const float *bias, __global float *scratch,
                           __global float *weights, __global long *ids, int E, int k, int sigmoid_scoring,
-                          int renormalize, int groups, int topk_groups, float scaling) {
+                          int has_bias, int renormalize, int groups, int topk_groups, float scaling) {
     const ulong t = get_global_id(0);
     __global const a_t *l = logits + t * E;
     __global float *choice = scratch + t * (ulong)(E + groups);
@@ -333,27 +338,37 @@ __kernel void router_topk(__global const a_t *logits, __global const float *bias
         inv_sum = 1.0f / sum;
     }
 #define SCORE(i) (sigmoid_scoring ? sigmoid(LOAD(A_KIND, l, i)) : exp(LOAD(A_KIND, l, i) - max_logit) * inv_sum)
-    for (int i = 0; i < E; ++i) choice[i] = SCORE(i) + bias[i];
+    // groups are ranked by biased scores, experts by them too with a bias, else by their logits
+    const int by_score = has_bias || groups;
+    bool nan_row = false;
+    for (int i = 0; i < E; ++i) {
+        const float x = LOAD(A_KIND, l, i);
+        nan_row |= isnan(x);
+        choice[i] = ranked_value(by_score ? SCORE(i) + bias[i] : x);
+    }
     if (groups) {
         const int size = (int)((uint)E / (uint)groups);
         for (int g = 0; g < groups; ++g) {  // sum of the group's two largest
-            const int top = next_largest(choice + g * size, size, 1, 0.0f, 0, 1);
+            const int top = next_largest(choice + g * size, size, 0.0f, 0, 1);
             float s = choice[g * size + top];
-            if (size > 1) s += choice[g * size + next_largest(choice + g * size, size, 1, s, top, 0)];
-            group_score[g] = s;
+            if (size > 1) s += choice[g * size + next_largest(choice + g * size, size, s, top, 0)];
+            group_score[g] = ranked_value(s);  // inf + -inf
         }
         for (int g = 0; g < groups; ++g) {
-            int rank = 0;  // groups ahead of g in torch.topk's order
+            int rank = 0;  // groups ahead of g
             for (int o = 0; o < groups; ++o)
                 rank += group_score[o] > group_score[g] || (group_score[o] == group_score[g] && o < g);
-            if (rank >= topk_groups)
-                for (int i = 0; i < size; ++i) choice[g * size + i] = -INFINITY;
+            for (int i = 0; i < size; ++i) {
+                __global float *c = choice + g * size + i;
+                if (rank >= topk_groups) *c = NAN;
+                else if (!has_bias) *c = ranked_value(LOAD(A_KIND, l, g * size + i));
+            }
         }
     }
     float total = 0.0f;
     int prev = 0;
     for (int j = 0; j < k; ++j) {
-        const int i = next_largest(choice, E, 1, j ? choice[prev] : 0.0f, prev, j == 0);
+        const int i = next_largest(choice, E, j ? choice[prev] : 0.0f, prev, j == 0);
         const float s = SCORE(i);  // the unbiased score
         ids[t * k + j] = i;
         weights[t * k + j] = s;
@@ -362,7 +377,7 @@ __kernel void router_topk(__global const a_t *logits, __global const float *bias
     }
     for (int j = 0; j < k; ++j) {
         const float s = weights[t * k + j];
-        weights[t * k + j] = (renormalize ? s / total : s) * scaling;
+        weights[t * k + j] = nan_row ? NAN : (renormalize ? s / total : s) * scaling;
     }
 #undef SCORE
 }

@@ -271,9 +271,10 @@ def router_topk(logits, top_k, scoring, renormalize, num_expert_groups, topk_gro
         return weights, ids
     bias = torch.zeros(num_experts) if correction_bias is None else correction_bias.float()
     scratch_mem, _ = _runtime.usm_empty((num_tokens, num_experts + groups), torch.float32)
+    flags = (scoring == "sigmoid", correction_bias is not None, renormalize)
     args = [_usm(logits), _usm(bias), scratch_mem, weights_mem, ids_mem, ctypes.c_int(num_experts),
-            ctypes.c_int(top_k), ctypes.c_int(int(scoring == "sigmoid")), ctypes.c_int(int(renormalize)),
-            ctypes.c_int(groups), ctypes.c_int(topk_groups or 0), ctypes.c_float(routed_scaling_factor)]
+            ctypes.c_int(top_k), *(ctypes.c_int(int(flag)) for flag in flags), ctypes.c_int(groups),
+            ctypes.c_int(topk_groups or 0), ctypes.c_float(routed_scaling_factor)]
     _launch("router_topk", _macros(logits.dtype, logits.dtype, Layout(16)), args, [num_tokens])
     return weights, ids
 

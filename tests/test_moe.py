@@ -6,10 +6,15 @@ layer forward and backward, profiler names, FLOP counts).
 
 Routings are random and deliberately uneven: skewed (most tokens to a few experts), uniform, all
 tokens to one expert, empty experts, dropped slots (id -1), k from 1 to 8, E up to 128, odd H and I.
+The router's choice rule (ties, signed zeros, probabilities that underflowed, NaN and infinite
+logits) is held against a plain-loop definition on every backend and in the jnp reference.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +121,125 @@ def test_router_gradient_and_bias():
     w, ids = torch_kernels.router_topk(logits, 2, scoring="sigmoid", correction_bias=huge, renormalize=False)
     assert (ids == 5).any(dim=1).all()
     torch.testing.assert_close(w[ids == 5], logits.sigmoid()[:, 5])
+
+
+def router_choice_definition(logits, top_k, scoring="softmax", renormalize=True, num_expert_groups=None,
+                             topk_groups=None, correction_bias=None, routed_scaling_factor=1.0):
+    """The documented choice rule, token by token in plain loops: experts ranked by their logits
+    (by float32 ``score + bias`` with a bias), groups by the float32 sum of their two best
+    ``score (+ bias)``; every ranking larger first, NaN as -inf, equal values by lowest index; a
+    row with a NaN logit gets NaN weights."""
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    bias = torch.zeros(logits.shape[1]) if correction_bias is None else correction_bias.float()
+    weights, ids = [], []
+    for row, score in zip(logits, scores):
+        biased = [float(v) for v in score + bias]  # float32 sums
+        key = biased if correction_bias is not None else [float(v) for v in row]
+
+        def rank(values, candidates):
+            clean = [-math.inf if math.isnan(v) else v for v in values]
+            return sorted(candidates, key=lambda i: (-clean[i], i))
+
+        candidates = range(len(key))
+        if num_expert_groups is not None:
+            size = len(key) // num_expert_groups
+            group_scores = []
+            for g in range(num_expert_groups):
+                members = range(g * size, (g + 1) * size)
+                two = [-math.inf if math.isnan(biased[i]) else biased[i] for i in rank(biased, members)[:2]]
+                group_scores.append(float(torch.tensor(two, dtype=torch.float32).sum()))
+            kept = rank(group_scores, range(num_expert_groups))[:topk_groups]
+            candidates = [i for i in candidates if i // size in kept]
+        chosen = rank(key, candidates)[:top_k]
+        w = score[chosen].double()
+        if renormalize:
+            w = w / w.sum()
+        if row.isnan().any():
+            w = torch.full_like(w, math.nan)
+        weights.append(w * routed_scaling_factor)
+        ids.append(chosen)
+    return torch.stack(weights).float(), torch.tensor(ids)
+
+
+def _quantized(t, step=0.5):
+    """bfloat16 logits on a coarse grid: many exact ties in every row."""
+    return ((t * 2).div(step).round() * step).to(torch.bfloat16)
+
+
+def _special_rows(e, gen):
+    """Ordinary rows around rows holding a NaN, +inf, -inf, all -inf, NaN with -inf, all NaN."""
+    rows = torch.randn(9, e, generator=gen)
+    nan, inf = math.nan, math.inf
+    rows[1, 2] = nan
+    rows[2, 5] = inf
+    rows[3, 1] = -inf
+    rows[4] = -inf
+    rows[5, :e // 2] = -inf
+    rows[5, 3] = nan
+    rows[6] = nan
+    rows[7, ::3] = inf
+    return rows
+
+
+RULE_INPUTS = {  # name: (logits from a generator, top_k)
+    "zeros, signed": (lambda gen: torch.zeros(5, 16) * torch.tensor([1.0, -1.0]).repeat(8), 3),  # -0.0 == 0.0
+    "bf16 ties": (lambda gen: _quantized(torch.randn(11, 16, generator=gen)), 4),
+    "bf16 ties, 128 experts top 8": (lambda gen: _quantized(torch.randn(6, 128, generator=gen)), 8),
+    "underflow": (lambda gen: torch.randn(7, 16, generator=gen) * 1e30, 2),
+    "nan, inf, -inf rows": (lambda gen: _special_rows(16, gen), 3),
+}
+RULE_SCORINGS = {
+    "softmax": dict(scoring="softmax"),
+    "grouped sigmoid": dict(scoring="sigmoid", num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5),
+    "grouped sigmoid, no bias": dict(scoring="sigmoid", num_expert_groups=4, topk_groups=2, renormalize=False),
+}
+
+
+def rule_case(inputs, scoring):
+    gen = torch.Generator().manual_seed(len(inputs) + len(scoring))
+    make, top_k = RULE_INPUTS[inputs]
+    logits = make(gen)
+    kwargs = dict(RULE_SCORINGS[scoring])
+    if scoring == "grouped sigmoid":  # a bias with ties of its own
+        kwargs["correction_bias"] = torch.randint(0, 3, (logits.shape[1],), generator=gen) * 0.25
+    return logits, top_k, kwargs
+
+
+@pytest.mark.parametrize("scoring", RULE_SCORINGS)
+@pytest.mark.parametrize("inputs", RULE_INPUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_choice_rule(backend, inputs, scoring):
+    """Ties, probabilities that underflowed and non-finite logits: every backend picks the ids of
+    the documented rule (distinct and in range in every row) and NaN weights for NaN rows."""
+    require_backend(backend)
+    logits, top_k, kwargs = rule_case(inputs, scoring)
+    weights, ids = torch_kernels.router_topk(logits, top_k, implementation=backend, **kwargs)
+    assert backends.last_backend("router_topk") == backend
+    assert ((ids >= 0) & (ids < logits.shape[1])).all(), ids
+    assert all(len(set(row)) == top_k for row in ids.tolist()), ids
+    want_weights, want_ids = router_choice_definition(logits, top_k, **kwargs)
+    assert torch.equal(ids.long(), want_ids), (ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("scoring", RULE_SCORINGS)
+@pytest.mark.parametrize("inputs", RULE_INPUTS)
+def test_router_choice_rule_jnp_reference(inputs, scoring):
+    """The torchax reference backend (jax_impl's jnp router) follows the same rule."""
+    require_backend("pallas")
+    import jax.numpy as jnp
+    from jax_impl import moe as jax_moe
+
+    logits, top_k, kwargs = rule_case(inputs, scoring)
+    bias = kwargs.pop("correction_bias", None)
+    weights, ids = jax_moe.router_topk_reference(
+        jnp.asarray(logits.float().numpy()).astype(jnp.bfloat16 if logits.dtype == torch.bfloat16 else jnp.float32),
+        top_k, correction_bias=None if bias is None else jnp.asarray(bias.numpy()), **kwargs)
+    want_weights, want_ids = router_choice_definition(logits, top_k, correction_bias=bias, **kwargs)
+    assert torch.equal(torch.tensor(np.array(ids)).long(), want_ids)
+    torch.testing.assert_close(torch.tensor(np.array(weights)), want_weights, rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
 
 
 # ---- dispatch and combine ----

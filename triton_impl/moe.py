@@ -41,6 +41,7 @@ from . import autotune, for_device
 
 MAX_EXPERTS = 1024  # the tile lookup and the router hold all experts in one program's registers
 MAX_TOP_K = 64
+CLOSED = tl.constexpr(-2 ** 31)  # the router's key of an expert out of the running: below every _order_key
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK, SCALE_ELEMENT = 0, 1, 2, 3
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -197,14 +198,27 @@ def _routing_weight(rows, row_ok, token_of_row_ptr, row_of_slot_ptr, weights_ptr
 # ---- kernels ----
 
 @triton.jit
+def _order_key(x):
+    """int32 keys in the order of float32 ``x``, NaN as -inf and -0.0 as 0.0; every key is above
+    ``CLOSED``."""
+    x = tl.where(x == x, x, float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
+    return tl.where(key == -1, 0, key)  # -0.0
+
+
+@triton.jit
 def router_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, top_k, num_groups, topk_groups,
     group_size, scaling,
     EP: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):
-    """``BT`` tokens: scores, biased choice, group selection, then ``top_k`` rounds of argmax (the
-    lowest index among equal values, as torch.topk on CPU)."""
+    """``BT`` tokens: scores, group selection, then ``top_k`` rounds of argmax. The choice rule of
+    ``reference.router_topk``: experts ranked by their logits, or by ``scores + bias`` with a bias;
+    NaN ranks as -inf, equal values go to the lowest index; a row with a NaN logit gets NaN
+    weights. The ranked values are held as ``_order_key``s, so that an expert out of the running
+    (padding, an excluded group, already chosen) can sit below every value, -inf included."""
     tokens = tl.program_id(0) * BT + tl.arange(0, BT)
     token_ok = tokens < num_tokens
     cols = tl.arange(0, EP)
@@ -219,34 +233,38 @@ def router_topk_kernel(
         exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         exp = tl.where(col_ok[None, :], exp, 0.0)
         scores = exp / tl.sum(exp, axis=1)[:, None]
-    choice = scores
     if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    choice = tl.where(col_ok[None, :], choice, float("-inf"))
+        biased = scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        biased = scores
     if GROUPED:
-        # a group's score: its two best choices (one if a group has one expert)
+        # a group's score: its two best biased scores (one if a group has one expert), NaN as -inf
+        biased = tl.where(col_ok[None, :] & (biased == biased), biased, float("-inf"))
         group_of = cols // group_size
         groups = tl.arange(0, GP)
         group_score = tl.full([BT, GP], float("-inf"), tl.float32)
         for g in range(num_groups):
-            member = tl.where((group_of == g)[None, :], choice, float("-inf"))
+            member = tl.where((group_of == g)[None, :], biased, float("-inf"))
             best = tl.max(member, axis=1)
             first = tl.min(tl.where(member == best[:, None], cols[None, :], EP), axis=1)
             score = best
             if group_size > 1:
                 score += tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), member), axis=1)
             group_score = tl.where(groups[None, :] == g, score[:, None], group_score)
+        group_key = tl.where(groups[None, :] < num_groups, _order_key(group_score), CLOSED)
         kept = tl.zeros([BT, GP], tl.int32)
         for _ in range(topk_groups):
-            best = tl.max(group_score, axis=1)
-            pick = tl.min(tl.where(group_score == best[:, None], groups[None, :], GP), axis=1)
-            kept = tl.where(groups[None, :] == pick[:, None], 1, kept)
-            group_score = tl.where(groups[None, :] == pick[:, None], float("-inf"), group_score)
+            best = tl.max(group_key, axis=1)
+            pick = tl.min(tl.where(group_key == best[:, None], groups[None, :], GP), axis=1)
+            chosen = groups[None, :] == pick[:, None]
+            kept = tl.where(chosen, 1, kept)
+            group_key = tl.where(chosen, CLOSED, group_key)
         allowed = tl.zeros([BT, EP], tl.int32)
         for g in range(num_groups):
             group_kept = tl.max(tl.where(groups[None, :] == g, kept, 0), axis=1)
             allowed = tl.where((group_of == g)[None, :], group_kept[:, None], allowed)
-        choice = tl.where(allowed > 0, choice, float("-inf"))
+        col_ok = col_ok[None, :] & (allowed > 0)
+    choice = tl.where(col_ok, _order_key(biased if HAS_BIAS else logits), CLOSED)
     js = tl.arange(0, KP)
     top_weights = tl.zeros([BT, KP], tl.float32)
     top_ids = tl.zeros([BT, KP], tl.int32)
@@ -257,11 +275,14 @@ def router_topk_kernel(
         weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)
         top_weights = tl.where(js[None, :] == j, weight[:, None], top_weights)
         top_ids = tl.where(js[None, :] == j, pick[:, None], top_ids)
-        choice = tl.where(picked, float("-inf"), choice)
+        choice = tl.where(picked, CLOSED, choice)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
     out = tokens.to(tl.int64)[:, None] * top_k + js[None, :]
     out_ok = token_ok[:, None] & (js < top_k)[None, :]
+    if SIGMOID:  # a NaN logit makes its row NaN here too (under softmax it spreads on its own)
+        nan_row = tl.max((scores != scores).to(tl.int32), axis=1) > 0
+        top_weights = tl.where(nan_row[:, None], float("nan"), top_weights)
     tl.store(weights_ptr + out, top_weights * scaling, mask=out_ok)
     tl.store(ids_ptr + out, top_ids, mask=out_ok)
 

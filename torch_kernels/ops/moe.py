@@ -164,7 +164,15 @@ def router_topk(logits, top_k, *, scoring="softmax", renormalize=True, num_exper
     ``topk_groups`` and ``correction_bias`` (DeepSeek-V3): sigmoid scores; the experts are chosen
     by ``score + correction_bias`` among the ``topk_groups`` groups whose two best biased scores
     sum highest, and weighted by their unbiased scores. Weights are then multiplied by
-    ``routed_scaling_factor``. Ties go as ``torch.topk`` breaks them.
+    ``routed_scaling_factor``.
+
+    The choice, the same on every backend: without ``correction_bias`` experts are ranked by their
+    logits (softmax and sigmoid keep their order, and probabilities that underflowed or rounded
+    alike would tie), with it by ``score + correction_bias`` in float32; groups by the sum of
+    their two best float32 ``score (+ correction_bias)``. Among equal values the lowest index
+    comes first (not ``torch.topk``'s unspecified order), and NaN ranks as -inf, so the ids are
+    always ``top_k`` distinct experts. A row with a NaN logit gets NaN weights (under either
+    scoring); a softmax row with an infinite logit, or all -inf, gets NaN weights as softmax does.
 
     Returns:
         ``(topk_weights float32 [T, k] (float64 for float64 logits), topk_ids int32 [T, k])``.

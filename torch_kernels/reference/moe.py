@@ -38,26 +38,48 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ---- routing ----
 
+def ranked(values, excluded=None):
+    """Each row's indices, best first: larger values first, NaN counted as -inf, equal values
+    (-0.0 and 0.0 too) by lowest index, positions where ``excluded`` is True after all others.
+    Stable sorts, not ``torch.topk``, whose order of equal values is unspecified (and differs
+    between CPU and CUDA)."""
+    values = values.masked_fill(values.isnan(), float("-inf")).masked_fill(values == 0, 0.0)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    if excluded is not None:
+        order = order.gather(-1, torch.sort(excluded.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices)
+    return order
+
+
 def router_topk(logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
                 routed_scaling_factor):
     """Scores by softmax or sigmoid over the experts; experts chosen by ``scores + correction_bias``
     (DeepSeek-V3: the bias only steers the choice), optionally only within the ``topk_groups`` groups
     whose two best experts score highest; weights from the unbiased scores. Differentiable in
-    ``logits`` by autograd (the choice itself is not)."""
+    ``logits`` by autograd (the choice itself is not).
+
+    The choice rule every backend follows: without a bias, experts are ranked by their logits
+    (both scorings are monotone, and probabilities that underflowed or rounded alike would tie);
+    with one, by ``scores + correction_bias`` in float32. Group scores are sums of float32
+    ``scores (+ correction_bias)``. Every ranking counts NaN as -inf and puts equal values in
+    index order (see :func:`ranked`). A row with a NaN logit gets NaN weights."""
     logits = logits.to(compute_dtype(logits.dtype))
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
-    choice = scores.detach() if correction_bias is None else scores.detach() + correction_bias.to(scores.dtype)
+    biased = scores.detach() if correction_bias is None else scores.detach() + correction_bias.to(scores.dtype)
+    choice = logits.detach() if correction_bias is None else biased
+    excluded = None
     if num_expert_groups is not None:
         t, e = choice.shape
-        grouped = choice.view(t, num_expert_groups, e // num_expert_groups)
-        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-        kept = group_score.topk(topk_groups, dim=-1).indices
-        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(e // num_expert_groups, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
+        size = e // num_expert_groups
+        grouped = biased.masked_fill(biased.isnan(), float("-inf")).view(t, num_expert_groups, size)
+        group_score = grouped.sort(dim=-1, descending=True).values[..., :2].sum(dim=-1)  # values: order moot
+        kept = ranked(group_score)[:, :topk_groups]
+        excluded = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
+        excluded = excluded.repeat_interleave(size, dim=1)
+    ids = ranked(choice, excluded)[:, :top_k]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.masked_fill(logits.detach().isnan().any(dim=-1, keepdim=True), float("nan"))
     return weights * routed_scaling_factor, ids
 
 
