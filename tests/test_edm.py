@@ -407,13 +407,42 @@ def test_standardization_and_grid(small_scorer):
     assert not torch.equal(scorer.noise_[0], scorer.noise_[1])  # each probe of a level draws its own noise
 
 
-def test_constant_feature_is_scaled_by_the_floor():
+def test_constant_feature_is_an_error_naming_ridge_as_for_mahalanobis():
     data = torch.randn(100, 3, generator=torch.Generator().manual_seed(22))
     data[:, 1] = 7.0
-    scorer = EDMScorer(width=8, depth=0, levels=1).fit(data, steps=2, progress=False)
-    typical = data.double().std(0, unbiased=False).square().mean().sqrt()
-    assert scorer.inv_scale_[1].item() == pytest.approx(1 / (1e-3 * typical.item()), rel=1e-5)
-    assert torch.isfinite(scorer.score(data)).all()
+    for scorer in (EDMScorer(width=8, depth=0, levels=1), MahalanobisScorer()):
+        with pytest.raises(ValueError, match=r"^features: .*constant.*pass ridge > 0"):
+            scorer.fit(data, **({"steps": 2, "progress": False} if isinstance(scorer, EDMScorer) else {}))
+    with pytest.raises(ValueError, match=r"feature\(s\) 1 of 3;"):
+        EDMScorer(width=8, depth=0, levels=1).fit(data, steps=2, progress=False)
+    # ridge is added to every feature's variance, as MahalanobisScorer's to its covariance's diagonal
+    scorer = EDMScorer(width=8, depth=0, levels=1, ridge=0.25).fit(data, steps=2, progress=False)
+    want = 1 / (data.double().var(0, unbiased=False) + 0.25).sqrt()
+    torch.testing.assert_close(scorer.inv_scale_, want.float())
+    assert scorer.inv_scale_[1].item() == 2.0
+    torch.testing.assert_close(MahalanobisScorer(ridge=0.25).fit(data).covariance_.diagonal()[1],
+                               torch.tensor(0.25, dtype=torch.float64))
+
+
+def test_training_rows_score_in_range_over_seeds():
+    """A constant feature (with ridge) or one that only takes two neighbouring float32 values (no ridge:
+    its tiny variance standardizes to 1, and the fit standardizes with the float32 mean scoring uses)
+    leaves the scores of the training rows where they are without it: before, the first was scaled by
+    1 / (1e-3 x typical spread) and training rows were once seen scoring 1e4 to 1e6 (normally 1 to 30)."""
+    for seed in range(10):
+        gen = torch.Generator().manual_seed(100 + seed)
+        scale, offset = torch.rand(4, generator=gen) + 0.2, 3 * torch.randn(4, generator=gen)
+        data = torch.randn(96, 4, generator=gen) * scale + offset
+        near = data.clone()
+        data[:, 1] = 10 * torch.randn((), generator=gen)
+        near[:, 2] = torch.where(torch.rand(96, generator=gen) < 0.5, 1000.0, torch.nextafter(torch.tensor(1000.0),
+                                                                                               torch.tensor(2000.0)))
+        for rows, ridge in ((data, 1e-3), (near, 0.0)):
+            scorer = EDMScorer(width=16, depth=1, levels=2, probes=2, ridge=ridge).fit(
+                rows, epochs=3, batch_size=32, seed=seed, progress=False)
+            for statistic in STATISTICS:
+                scores = scorer.score(rows, statistic)
+                assert torch.isfinite(scores).all() and scores.abs().max() < 100, (seed, ridge, statistic, scores.max())
 
 
 def test_state_dict_round_trip_and_repr(small_scorer):
@@ -448,6 +477,83 @@ def test_threshold_and_protocol(small_scorer):
     scores = scorer.score(data).detach().double()
     for tpr in (0.5, 0.95, 1.0):
         assert scorer.threshold(data, tpr) == pytest.approx(torch.quantile(scores, tpr).item(), rel=1e-9)
+
+
+def test_load_checks_the_configuration_given_to_the_constructor(small_scorer):
+    """A width (depth, levels, probes, sigma_min, sigma_max) given to the constructor is checked against
+    the state dict, as torch checks shapes; one not given follows it. Before, EDMScorer(width=32) took a
+    width-24 state dict, reported all keys matched and changed its width to 24."""
+    scorer, data = small_scorer
+    saved = scorer.state_dict()
+    for name, value in (("width", 32), ("depth", 1), ("levels", 4), ("probes", 1), ("sigma_min", 0.5),
+                        ("sigma_max", 2.0)):
+        other = EDMScorer(**{name: value})
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=rf"{name}: this EDMScorer was made with {name}={value} but the "
+                                                   rf"state dict holds a scorer of {name}="):
+                other.load_state_dict(saved, strict=strict)
+        assert not other.fitted and getattr(other, name) == value  # nothing changed
+    fitted = EDMScorer(width=8, depth=1, levels=3, probes=2).fit(data, steps=2, progress=False)
+    before = {name: t.clone() for name, t in fitted.state_dict().items()}
+    with pytest.raises(RuntimeError, match="width: this EDMScorer was made with width=8"):
+        fitted.load_state_dict(saved)
+    assert all(torch.equal(before[name], t) for name, t in fitted.state_dict().items())
+    # every argument given and agreeing: loads, and the floats given stay exact
+    same = EDMScorer(width=24, depth=2, levels=3, probes=2, sigma_min=0.8, sigma_max=3.0)
+    same.load_state_dict(saved)
+    assert (same.width, same.sigma_min, same.sigma_max) == (24, 0.8, 3.0)
+    torch.testing.assert_close(same.score(data[:20]), scorer.score(data[:20]))
+    # a grid of one repeated level is any split of its size
+    flat = EDMScorer(width=4, depth=0, levels=2, probes=3, sigma_min=1.0, sigma_max=1.0).fit(data, steps=2,
+                                                                                           progress=False)
+    again = EDMScorer(width=4, levels=2, probes=3, sigma_min=1.0, sigma_max=1.0)
+    again.load_state_dict(flat.state_dict())
+    assert (again.levels, again.probes) == (2, 3)
+    restored = EDMScorer()
+    restored.load_state_dict(flat.state_dict())
+    assert restored.levels * restored.probes == 6 and restored.depth == 0
+
+
+def _fitted(kind, data):
+    if kind == "mahalanobis":
+        return MahalanobisScorer("ledoit_wolf").fit(data)
+    return EDMScorer(width=16, depth=1, levels=2, probes=2).fit(data, steps=20, batch_size=64, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["mahalanobis", "edm"])
+def test_score_protocol_is_the_same_for_both_scorers(kind):
+    """score gives plain scores (no graph unless x requires grad, and then to x only); forward is
+    differentiable in x and in the scorer's parameters. Before, EDMScorer.score was forward, so its
+    scores required grad through the weights and .numpy() failed on them."""
+    from torch_kernels.ood import OODGate
+
+    data = torch.randn(200, 5, generator=torch.Generator().manual_seed(40)) + 1.0
+    scorer, x = _fitted(kind, data), data[:16]
+    scores = scorer.score(x)
+    assert isinstance(scorer, OODScorer) and not scores.requires_grad and scores.grad_fn is None
+    assert scores.dtype == torch.float32 and scores.numpy().shape == (16,)
+    assert_close(scorer.score(x.double()).float(), scores, torch.float32)
+    assert scorer.score(x.double()).dtype == torch.float64
+    torch.testing.assert_close(scorer(x).detach(), scores)
+    # x requiring grad: differentiable in x, the same gradient as forward's; nothing reaches the parameters
+    x_grad, x_forward = x.clone().requires_grad_(), x.clone().requires_grad_()
+    scorer.score(x_grad).sum().backward()
+    scorer(x_forward).sum().backward()
+    torch.testing.assert_close(x_grad.grad, x_forward.grad)
+    params = list(scorer.parameters())
+    assert (kind == "edm") == bool(params) and all(p.grad is not None for p in params)  # from forward only
+    for p in params:
+        p.grad = None
+    scorer.score(x.clone().requires_grad_()).sum().backward()
+    assert all(p.grad is None for p in params)
+    with torch.no_grad():
+        assert not scorer.score(x.clone().requires_grad_()).requires_grad
+    # what is built on score: threshold, evaluate, the serving gate
+    limit = scorer.threshold(data[100:], 0.9)
+    assert isinstance(limit, float)
+    assert evaluate(scorer, data[100:], data[:50] * 4 + 20).auroc == 1.0
+    gate = OODGate(scorer, limit)
+    assert gate.score(x) == pytest.approx(scores.tolist())
 
 
 def test_dtype_conversion_keeps_the_fit(small_scorer):

@@ -24,7 +24,6 @@ __all__ = ["EDMScorer", "edm_score"]
 P_MEAN, P_STD = -1.2, 1.2  # EDM's training noise distribution: ln(sigma) ~ N(P_MEAN, P_STD^2)
 FOURIER_FEATURES = 64  # cos and sin of this many random frequencies of c_noise
 FOURIER_SCALE = 4.0  # their standard deviation (c_noise spans about -1.6 .. 1.1)
-SPREAD_FLOOR = 1e-3  # features spread less than this times the typical feature are scaled as if they had it
 
 # fitted tensors, in the order edm_score takes them after the standardization
 _NETWORK = ("w_in", "b_in", "embedding", "w1", "b1", "w2", "b2", "w_out", "b_out")
@@ -35,17 +34,23 @@ class EDMScorer(FittedScorer):
     """EDM diffusion OOD scorer over frozen features, usable as a module inside models.
 
     Args:
-        width: hidden width ``H`` of the denoiser's MLP.
-        depth: residual blocks ``K``.
-        levels: noise levels ``L`` of the scoring grid, log-spaced from ``sigma_min`` to ``sigma_max``
-            (in units of the standardized features).
+        width: hidden width ``H`` of the denoiser's MLP (256 when not given).
+        depth: residual blocks ``K`` (2).
+        levels: noise levels ``L`` of the scoring grid, log-spaced from ``sigma_min`` (0.8) to
+            ``sigma_max`` (3.0), in units of the standardized features (8).
         probes: noise draws ``P`` per level: the grid the op evaluates holds ``L P`` (level, noise)
-            pairs, so more probes average out more of the score's dependence on the drawn noise.
+            pairs, so more probes average out more of the score's dependence on the drawn noise (4).
         statistic: ``"denoise"`` or ``"scoped"`` (below); ``score(x, statistic=...)`` overrides it.
+        ridge: added to every feature's variance before standardizing, as ``MahalanobisScorer``'s
+            ``ridge`` is to its covariance's diagonal; needed when a feature is constant in the fit data.
 
     **Model.** Features are standardized with the fit data's per-feature mean and standard
-    deviation, ``y = (x - mean) * inv_scale``, so that ``sigma_data`` (the root mean variance of
-    ``y``) is about 1. The denoiser is EDM's
+    deviation, ``y = (x - mean) * inv_scale`` with ``inv_scale = 1 / sqrt(variance + ridge)``, so
+    that ``sigma_data`` (the root mean variance of ``y``) is about 1. A feature of zero variance
+    (numerically: below ``D`` float64 epsilons of the largest, ``MahalanobisScorer``'s test for a
+    singular covariance) makes ``fit`` raise a ``ValueError`` naming it and the remedies: ``ridge > 0``
+    or dropping it. (It cannot be scaled to unit variance; any fixed scale would be arbitrary, and
+    a deviation from the constant at scoring would weigh by it.) The denoiser is EDM's
     ``D(y; s) = c_skip(s) y + c_out(s) F(c_in(s) y; c_noise(s))`` with ``c_skip = sd^2 / (s^2 + sd^2)``,
     ``c_out = s sd / sqrt(s^2 + sd^2)``, ``c_in = 1 / sqrt(s^2 + sd^2)``, ``c_noise = ln(s) / 4``.
     ``F`` is a residual MLP: the noise-level embedding ``e(s) = [cos 2 pi f c_noise, sin 2 pi f c_noise]
@@ -78,31 +83,53 @@ class EDMScorer(FittedScorer):
     (``benchmarks/ood.py``): the mid-to-high levels separate best there, and probes reduce the
     variance the single drawn noise vector adds.
 
-    Higher means less in-distribution. ``threshold(features, tpr)`` is the score below which a
-    fraction ``tpr`` of held-out in-distribution features fall. ``state_dict()`` carries the fitted
-    weights (the moving average), the standardization, the grid and its noise.
+    Higher means less in-distribution. ``score(x)`` gives plain scores (no autograd graph through
+    the weights; one to ``x`` only when ``x`` requires grad); calling the module (``forward``) is
+    differentiable in ``x`` and in every weight. ``threshold(features, tpr)`` is the score below which
+    a fraction ``tpr`` of held-out in-distribution features fall.
+
+    **Saving.** ``state_dict()`` carries the fitted weights (the moving average), the
+    standardization, the grid and its noise; the configuration follows from their shapes and the
+    grid. ``load_state_dict`` checks the arguments given to the constructor against it: a state
+    dict of another ``width``, ``depth``, ``levels``, ``probes``, ``sigma_min`` or ``sigma_max`` than
+    one given raises the ``RuntimeError`` of ``torch.nn.Module.load_state_dict`` naming the argument
+    (as torch does for a shape mismatch), and the scorer keeps its state. An argument not given
+    takes the state dict's value, so ``EDMScorer().load_state_dict(saved)`` restores any scorer.
+    ``statistic`` and ``ridge`` are not in the state dict (``ridge`` is already in ``inv_scale_``).
     """
 
     DEFAULT_STEPS = 3000
+    DEFAULTS = {"width": 256, "depth": 2, "levels": 8, "probes": 4, "sigma_min": 0.8, "sigma_max": 3.0}
 
-    def __init__(self, width: int = 256, depth: int = 2, levels: int = 8, probes: int = 4, sigma_min: float = 0.8,
-                 sigma_max: float = 3.0, statistic: str = "denoise"):
+    def __init__(self, width: int | None = None, depth: int | None = None, levels: int | None = None,
+                 probes: int | None = None, sigma_min: float | None = None, sigma_max: float | None = None,
+                 statistic: str = "denoise", ridge: float = 0.0):
         super().__init__()
-        for name, value, least in (("width", width, 1), ("depth", depth, 0), ("levels", levels, 1),
-                                   ("probes", probes, 1)):
+        given = {name: value for name, value in (("width", width), ("depth", depth), ("levels", levels),
+                                                 ("probes", probes), ("sigma_min", sigma_min),
+                                                 ("sigma_max", sigma_max)) if value is not None}
+        config = {**self.DEFAULTS, **given}
+        for name, least in (("width", 1), ("depth", 0), ("levels", 1), ("probes", 1)):
+            value = config[name]
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
             if value < least:
                 raise ValueError(f"{name}: expected an int >= {least}, got {value}")
-        for name, value in (("sigma_min", sigma_min), ("sigma_max", sigma_max)):
+        for name in ("sigma_min", "sigma_max"):
+            value = config[name]
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value < math.inf:
                 raise ValueError(f"{name}: expected a finite float > 0, got {value!r}")
-        if sigma_max < sigma_min:
-            raise ValueError(f"sigma_max: expected at least sigma_min ({sigma_min}), got {sigma_max}")
+        if config["sigma_max"] < config["sigma_min"]:
+            raise ValueError(f"sigma_max: expected at least sigma_min ({config['sigma_min']}), "
+                             f"got {config['sigma_max']}")
+        if not isinstance(ridge, (int, float)) or isinstance(ridge, bool) or not 0.0 <= ridge < math.inf:
+            raise ValueError(f"ridge: expected a finite float >= 0, got {ridge!r}")
         _check_statistic(statistic)
-        self.width, self.depth, self.levels, self.probes = width, depth, levels, probes
-        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
-        self.statistic = statistic
+        self.width, self.depth, self.levels, self.probes = (config[name] for name in ("width", "depth", "levels",
+                                                                                       "probes"))
+        self.sigma_min, self.sigma_max = float(config["sigma_min"]), float(config["sigma_max"])
+        self.statistic, self.ridge = statistic, float(ridge)
+        self._pinned = tuple(given)  # what load_state_dict must agree with
         for name in _NETWORK:
             setattr(self, name, nn.Parameter(torch.empty(0)))
         for name in _BUFFERS:
@@ -118,8 +145,9 @@ class EDMScorer(FittedScorer):
 
     def extra_repr(self) -> str:
         shape = f", features={self.w_in.shape[0]}" if self.fitted else ""
+        ridge = f", ridge={self.ridge}" if self.ridge else ""
         return (f"width={self.width}, depth={self.depth}, levels={self.levels}, probes={self.probes}, "
-                f"sigma_min={self.sigma_min}, sigma_max={self.sigma_max}, statistic={self.statistic!r}{shape}")
+                f"sigma_min={self.sigma_min}, sigma_max={self.sigma_max}, statistic={self.statistic!r}{ridge}{shape}")
 
     # ---- the denoiser ----
 
@@ -172,20 +200,29 @@ class EDMScorer(FittedScorer):
         standardized float32 training rows."""
         n, d = data.shape
         device = data.device
-        mean = data.mean(dim=0, dtype=torch.float64)
-        spread = (data.to(torch.float64) - mean).square().mean(dim=0).sqrt()
-        typical = spread.square().mean().sqrt()
-        if typical == 0:
+        data64 = data.to(torch.float64)
+        mean = data64.mean(dim=0)
+        variance = (data64 - mean).square().mean(dim=0)
+        if variance.max() == 0:
             raise ValueError("features: every feature is constant; there is nothing to fit")
-        inv_scale = 1.0 / spread.clamp_min(SPREAD_FLOOR * typical)
-        y = ((data.to(torch.float64) - mean) * inv_scale).to(torch.float32)
+        variance += self.ridge
+        # MahalanobisScorer's test for a singular covariance, on the diagonal one used here
+        constant = (variance < d * torch.finfo(torch.float64).eps * variance.max()).nonzero().flatten().tolist()
+        if constant:
+            listed = ", ".join(map(str, constant[:5])) + (f" and {len(constant) - 5} more" if len(constant) > 5 else "")
+            raise ValueError(f"features: constant in the fit data (zero variance, which standardizing divides by): "
+                             f"feature(s) {listed} of {d}; pass ridge > 0 (added to every feature's variance) or "
+                             "drop them")
+        mean32, inv_scale32 = mean.to(torch.float32), variance.rsqrt().to(torch.float32)
+        # standardized as scoring will: with the stored float32 mean and scale, not the float64 ones
+        y = ((data64 - mean32.double()) * inv_scale32.double()).to(torch.float32)
         h, k = self.width, self.depth
 
         def normal(*shape, std=1.0):
             return torch.randn(*shape, generator=gen, device=device) * std
 
         with torch.no_grad():
-            self.mean_, self.inv_scale_ = mean.to(torch.float32), inv_scale.to(torch.float32)
+            self.mean_, self.inv_scale_ = mean32, inv_scale32
             self.sigma_data_ = y.var(dim=0, unbiased=False).mean().sqrt()
             grid = torch.logspace(math.log10(self.sigma_min), math.log10(self.sigma_max), self.levels,
                                   dtype=torch.float64).repeat_interleave(self.probes)
@@ -244,19 +281,43 @@ class EDMScorer(FittedScorer):
         self._denoise_weights = denoise.to(torch.float32)
         self._scoped_weights = torch.full_like(self.sigmas_, scale)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # an unfitted scorer's tensors are empty: take the saved shapes
+    def _saved_config(self, state_dict, prefix) -> dict:
+        """The configuration a saved scorer was made with, as far as its tensors in ``state_dict`` tell."""
+        config = {}
+        w_in, w1, sigmas = (state_dict.get(prefix + name) for name in ("w_in", "w1", "sigmas_"))
+        if isinstance(w_in, torch.Tensor) and w_in.ndim == 2:
+            config["width"] = w_in.shape[1]
+        if isinstance(w1, torch.Tensor) and w1.ndim == 3:
+            config["depth"] = w1.shape[0]
+        if isinstance(sigmas, torch.Tensor) and sigmas.ndim == 1 and sigmas.numel():
+            counts = torch.unique_consecutive(sigmas, return_counts=True)[1]
+            levels, probes = len(counts), int(counts[0])
+            if levels == 1 and self.levels * self.probes == sigmas.numel():
+                levels, probes = self.levels, self.probes  # one level repeated G times: any split of G is that grid
+            config.update(levels=levels, probes=probes, sigma_min=float(sigmas[0]), sigma_max=float(sigmas[-1]))
+        return config
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = self._saved_config(state_dict, prefix)
+        conflicts = [name for name in self._pinned if name in saved and not _same(saved[name], getattr(self, name))]
+        if conflicts:  # reported as torch reports a size mismatch, before anything is changed
+            error_msgs.append("; ".join(
+                f"{name}: this EDMScorer was made with {name}={getattr(self, name)!r} but the state dict holds a "
+                f"scorer of {name}={saved[name]!r}; make it with {name}={saved[name]!r}, or leave {name} out to "
+                "take the state dict's" for name in conflicts))
+            return
+        # an unfitted scorer's tensors are empty, and a fitted one's may be of another shape: take the saved shapes
         for name in (*_NETWORK, *_BUFFERS):
             if prefix + name in state_dict:
-                saved = state_dict[prefix + name]
-                empty = torch.empty_like(saved, device=getattr(self, name).device)
+                empty = torch.empty_like(state_dict[prefix + name], device=getattr(self, name).device)
                 setattr(self, name, nn.Parameter(empty) if name in _NETWORK else empty)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if prefix + "sigmas_" in state_dict and self.fitted:
-            self.width, self.depth = self.w_in.shape[1], self.w1.shape[0]
-            self.levels = self.sigmas_.unique().numel()
-            self.probes = self.sigmas_.numel() // self.levels
-            self.sigma_min, self.sigma_max = float(self.sigmas_[0]), float(self.sigmas_[-1])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.fitted and self.sigmas_.numel():
+            for name, value in saved.items():
+                if not _same(value, getattr(self, name)):  # equal within float32: keep the exact float given
+                    setattr(self, name, value)
             self._refresh_level_weights()
 
     # ---- scoring ----
@@ -264,16 +325,20 @@ class EDMScorer(FittedScorer):
     def forward(self, x: torch.Tensor, statistic: str | None = None,
                 implementation: str | Sequence[str] | None = None) -> torch.Tensor:
         """``[B]`` scores of ``x [B, D]`` (float32; float64 for float64 ``x``) by the ``edm_score`` op;
-        differentiable in ``x`` and in the weights."""
+        differentiable in ``x`` and in the weights (``score`` is the same without the weights' graph)."""
         self._require_fitted()
         statistic = _check_statistic(self.statistic if statistic is None else statistic)
-        weights = getattr(self, f"_{statistic}_weights")
-        level_bias = self.noise_embedding(self.sigmas_)
-        return edm_score(x, self.mean_, self.inv_scale_, self.noise_, weights, level_bias, self.w_in, self.w1,
-                         self.b1, self.w2, self.b2, self.w_out, self.b_out, self._grid[0], self._grid[1],
-                         statistic, implementation)
+        tensors = (self.mean_, self.inv_scale_, self.noise_, getattr(self, f"_{statistic}_weights"),
+                   self.noise_embedding(self.sigmas_), self.w_in, self.w1, self.b1, self.w2, self.b2, self.w_out,
+                   self.b_out)
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:  # the op takes float64 weights for float64 x
+            tensors = [t.to(torch.float64) for t in tensors]
+        return edm_score(x, *tensors, self._grid[0], self._grid[1], statistic, implementation)
 
-    score = forward
+
+def _same(a, b) -> bool:
+    """Whether two configuration values agree (floats within the float32 rounding of the saved grid)."""
+    return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) or isinstance(b, float) else a == b
 
 
 def _check_statistic(statistic) -> str:

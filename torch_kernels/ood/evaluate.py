@@ -26,7 +26,8 @@ class OODScorer(Protocol):
         """Fit on in-distribution ``[N, D]`` features (or an iterable of batches); returns the scorer."""
 
     def score(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B]`` scores of ``x [B, D]``; higher means less in-distribution."""
+        """``[B]`` scores of ``x [B, D]``; higher means less in-distribution. A plain tensor (no
+        graph through the scorer's weights) for an ``x`` that does not require grad."""
 
     def threshold(self, features: torch.Tensor, tpr: float = 0.95) -> float:
         """The score below which a fraction ``tpr`` of held-out in-distribution ``features`` fall."""

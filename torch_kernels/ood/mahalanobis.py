@@ -66,7 +66,9 @@ class MahalanobisScorer(FittedScorer):
 
     ``fit(features, labels=None)`` fits one Gaussian, or with labels one mean per class and a
     tied covariance (Lee et al., 2018). ``forward(x)`` / ``score(x)`` return ``[B]`` squared
-    distances, the minimum over classes. Fitted buffers are float64: ``means_``,
+    distances, the minimum over classes (as for every ``FittedScorer``, ``score`` gives plain scores,
+    with a graph only to an ``x`` that requires grad; the fitted statistics are buffers, never
+    differentiated, so ``forward`` gives the same). Fitted buffers are float64: ``means_``,
     ``covariance_``, ``precision_``, ``whitener_`` (upper triangular, ``whitener_ @ whitener_.T ==
     precision_``) and ``shrinkage_``; ``state_dict()`` / ``load_state_dict()`` carry them.
     """
@@ -236,5 +238,3 @@ class MahalanobisScorer(FittedScorer):
         if x.dtype == torch.float64:
             return mahalanobis_score(x, self.means_, self.whitener_, implementation)
         return mahalanobis_score(x, self._means32, self._whitener32, implementation)
-
-    score = forward

@@ -8,7 +8,13 @@ from torch import nn
 
 class FittedScorer(nn.Module):
     """Base of ``MahalanobisScorer`` and ``EDMScorer``: a subclass defines ``fitted`` and
-    ``score`` (its ``[B]`` scores, higher meaning less in-distribution; the module's forward)."""
+    ``forward`` (its ``[B]`` scores, higher meaning less in-distribution).
+
+    The protocol both share: ``score(x)`` gives plain scores, ready for ``.numpy()``, ``.tolist()``
+    or a comparison, with no autograd graph through the scorer's own weights; when ``x`` requires
+    grad the scores do too, differentiable in ``x`` alone. Calling the module (``forward``) is
+    differentiable in ``x`` and in the scorer's parameters (an EDM scorer fine-tuned inside a model).
+    """
 
     @property
     def fitted(self) -> bool:
@@ -26,6 +32,15 @@ class FittedScorer(nn.Module):
     def _require_fitted(self) -> None:
         if not self.fitted:
             raise RuntimeError(f"{type(self).__name__}: call fit() (or load_state_dict()) before scoring")
+
+    def score(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """``[B]`` scores of ``x [B, D]``, the module's ``forward`` (same arguments) without a graph
+        through the scorer's parameters: one to ``x`` only when ``x`` requires grad, none otherwise."""
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            frozen = {name: p.detach() for name, p in self.named_parameters()}
+            return torch.func.functional_call(self, frozen, (x, *args), kwargs)
+        with torch.no_grad():
+            return self(x, *args, **kwargs)
 
     def threshold(self, features: torch.Tensor, tpr: float = 0.95) -> float:
         """The score below which a fraction ``tpr`` of held-out in-distribution ``features`` fall."""
