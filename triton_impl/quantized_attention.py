@@ -30,8 +30,9 @@ Backward, FlashAttention-2 style, the gradient of exact attention at the same in
 straight-through estimator, ``torch_kernels.reference.quantized_attention.attention_backward``):
 
 4. ``backward_preprocess_kernel`` per query tile and head: the exact row statistics, ``lse``
-   (base 2) and ``delta = rowsum(dO * O) - d lse`` with ``O`` the exact attention output,
-   recomputed (the forward's output is the quantized one).
+   (base 2) and ``delta = rowsum(dO * O) - d lse`` with ``O`` the exact attention output (the
+   forward's output is the quantized one), as ``rowsum(P * dO V^T)`` by an online softmax: the
+   same sum, with no product of a rounded P.
 5. ``backward_dq_kernel`` per query tile and head: ``P = exp2(S - lse)``, ``dS = P (dO V^T -
    delta)``, ``dQ = sm_scale dS K``.
 6. ``backward_dkdv_kernel`` per key tile and kv head, over the query tiles of every query head of
@@ -41,13 +42,19 @@ Sequences: with ``cu_seqlens`` the tiles of sequence ``s`` are numbered from ``c
 (a binary search finds a program's sequence, no host sync); without, the batch elements are the
 sequences, found the same way from offsets ``b * N``.
 
-Precision on a GPU: float16 / bfloat16 operands enter ``tl.dot`` as they are (the backward's P
-and dS rounded to the inputs' dtype, as FlashAttention-2), float32 ones as tf32x3; float32
-accumulation. FP8 P.V needs float8_e4m3fn MMA (compute capability 8.9+): declined below. Under
-the interpreter (CPU tensors), whose bfloat16 arithmetic and float8 rounding are wrong (and whose
-float16 products are slow), P.V's operands are rounded to their dtype's values in float32 and
-multiplied in float32 (the products exact, as in the MMA), V quantized to e4m3 is kept in float32,
-the backward computes in float32 and bfloat16 results are rounded on the host.
+Precision on a GPU: float16 / bfloat16 operands enter ``tl.dot`` as they are, float32 ones as
+tf32x3; float32 accumulation. The backward keeps P and dS in float32, as the reference does: each
+enters its product with an input (``dV = P^T dO``, ``dQ = dS K``, ``dK = dS^T Q``) as two parts in
+the inputs' dtype, ``hi + lo`` (``_dot_split``: two tensor-core products keeping 22 of its bits in
+float16, 16 in bfloat16). Rounded once to the inputs' dtype, as FlashAttention-2 does, they made
+the gradients up to 10x less accurate than the reference's on an H200: a row of dS sums to 0, so
+``dS K`` cancels what the keys share (their mean, large where K smoothing pays) while the rounding
+errors of dS do not cancel and are multiplied by it; bfloat16's 8 bits of P cost dV 0.1 of
+relative error per element. FP8 P.V needs float8_e4m3fn MMA (compute capability 8.9+): declined
+below. Under the interpreter (CPU tensors), whose bfloat16 arithmetic and float8 rounding are wrong
+(and whose float16 products are slow), P.V's operands are rounded to their dtype's values in
+float32 and multiplied in float32 (the products exact, as in the MMA), V quantized to e4m3 is kept
+in float32, the backward computes in float32 and bfloat16 results are rounded on the host.
 """
 
 from __future__ import annotations
@@ -106,8 +113,10 @@ def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float
       P.V multiplies float32 (tf32x3: three products of split operands), 64 rows, 32 at head size 64
       and on sm_80 (``arch``, the compute capability, ``triton_impl.arch_of``; None: not CUDA), where
       64 spilled at head size 128 (sm_90 keeps 64 for wgmma's 64-row tiles);
-    - backward: 64 x 64 tiles for dQ; for dK and dV, which hold K, V and two ``[64, D]`` float32
-      accumulators, 32 query rows a step (64 spilled at head size 128); float32 inputs 16 x 32 and
+    - backward: 64 x 64 tiles for dQ (64 x 32 at head size 64 on sm_80, where bfloat16's split
+      dS K spilled 108 bytes); for dK and dV, which hold K, V and two ``[64, D]`` float32
+      accumulators, 32 query rows a step at head size 64 and 16 above (32 spilled up to 248 bytes
+      on sm_90 with the split products, 64 spilled at head size 128); float32 inputs 16 x 32 and
       16 x 16 over 8 warps (four spilled up to 56 bytes at head size 128; 32 x 32 spilled 200);
     - the interpreter, whose cost is per program and step: blocks of up to 512 rows.
     """
@@ -126,8 +135,11 @@ def default_config(kernel: str, head_size: int, dtype: torch.dtype = torch.float
         return Config(block_m=_interpreted_block(num_q, 64), block_n=_interpreted_block(num_k, 64), num_stages=1)
     if wide:
         return Config(block_m=16, block_n=32 if kernel == "backward_dq" else 16, num_warps=8, num_stages=1)
-    return Config(block_m=64 if kernel == "backward_dq" else 32, block_n=64, num_warps=4 if head_size <= 64 else 8,
-                  num_stages=2)
+    warps = 4 if head_size <= 64 else 8
+    if kernel == "backward_dq":
+        narrow = head_size <= 64 and arch is not None and arch < 90
+        return Config(block_m=64, block_n=32 if narrow else 64, num_warps=warps, num_stages=2)
+    return Config(block_m=32 if head_size <= 64 else 16, block_n=64, num_warps=warps, num_stages=2)
 
 
 # ---- shared pieces ----
@@ -363,6 +375,18 @@ def _safe(lse):
 
 
 @triton.jit
+def _dot_split(a, b, acc, LOW: tl.constexpr, DT: tl.constexpr):
+    """``acc + a @ b`` for a float32 ``a`` (P or dS) and ``b`` an input, holding ``DT``'s values: when
+    LOW, ``a`` as ``hi + lo``, both in DT, two products on the tensor cores (module docstring,
+    precision); else tf32x3."""
+    if LOW:
+        hi = a.to(DT)
+        lo = (a - hi.to(tl.float32)).to(DT)
+        return tl.dot(lo, b.to(DT), tl.dot(hi, b.to(DT), acc))
+    return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32x3")
+
+
+@triton.jit
 def backward_preprocess_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dlse_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, num_seqs, nq_rows, nk_rows,
     qk_scale,
@@ -371,7 +395,8 @@ def backward_preprocess_kernel(
     LOW: tl.constexpr,
 ):
     """Exact ``lse`` (base 2) and ``delta = rowsum(dO * O) - d lse`` of query tile ``program_id(0)``
-    of head ``program_id(1)``, ``O`` recomputed by an online softmax in float32."""
+    of head ``program_id(1)``: ``rowsum(dO * O) = rowsum(P * dO V^T)``, by an online softmax in
+    float32 (P never rounded for a product)."""
     h = tl.program_id(1)
     kv_head = h // (HQ // HKV)
     s, q_begin, q_end, batch, q_base, q_start = _tile_start(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M, VARLEN)
@@ -387,12 +412,13 @@ def backward_preprocess_kernel(
         q_rows = (batch * HQ + h).to(tl.int64) * nq_rows - q_base + rows
         k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
         q = _load(q_ptr, q_rows, row_ok, dims, d_ok, D)
+        do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D)
         stop = nk
         if CAUSAL:
             stop = tl.minimum(nk, tl.minimum(q_start + BLOCK_M, q_end) - q_begin + (nk - nq))
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DP], tl.float32)
+        pdp = tl.zeros([BLOCK_M], tl.float32)  # rowsum(P * dO V^T), P relative to m
         for j0 in range(0, stop, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             col_ok = cols < nk
@@ -407,11 +433,9 @@ def backward_preprocess_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p, v, LOW, DT)
+            pdp = pdp * alpha + tl.sum(p * _dot(do, tl.trans(v), LOW, DT), axis=1)
             m = m_new
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D).to(tl.float32)
-        delta = tl.sum(do * out, axis=1)
+        delta = pdp / tl.where(l == 0.0, 1.0, l)  # a row with no key: 0
         if HAS_DLSE:
             delta = delta - tl.load(dlse_ptr + q_rows, mask=row_ok, other=0.0)
         tl.store(lse_ptr + q_rows, m + tl.log2(l), mask=row_ok)
@@ -458,7 +482,7 @@ def backward_dq_kernel(
                 seen = seen & (cols[None, :] <= (rows - q_begin + (nk - nq))[:, None])
             p = tl.where(seen, tl.exp2(_dot(q, tl.trans(k), LOW, DT) * qk_scale - lse[:, None]), 0.0)
             ds = p * (_dot(do, tl.trans(v), LOW, DT) - delta[:, None])
-            dq += _dot(ds, k, LOW, DT)
+            dq = _dot_split(ds, k, dq, LOW, DT)
         tl.store(dq_ptr + q_rows[:, None] * D + dims[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
@@ -505,9 +529,9 @@ def backward_dkdv_kernel(
                 if CAUSAL:
                     seen = seen & (cols[:, None] <= (rows - q_begin + (nk - nq))[None, :])
                 pt = tl.where(seen, tl.exp2(_dot(k, tl.trans(q), LOW, DT) * qk_scale - lse[None, :]), 0.0)
-                dv += _dot(pt, do, LOW, DT)
+                dv = _dot_split(pt, do, dv, LOW, DT)
                 dst = pt * (_dot(v, tl.trans(do), LOW, DT) - delta[None, :])
-                dk += _dot(dst, q, LOW, DT)
+                dk = _dot_split(dst, q, dk, LOW, DT)
         mask = col_ok[:, None] & d_ok[None, :]
         tl.store(dk_ptr + k_rows[:, None] * D + dims[None, :], (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask)
         tl.store(dv_ptr + k_rows[:, None] * D + dims[None, :], dv.to(dv_ptr.dtype.element_ty), mask=mask)
