@@ -21,8 +21,9 @@ smoothed keys, per group ``scale = amax / 127`` (1 where 0; a NaN makes amax inf
 divisions (XLA would otherwise multiply by a reciprocal, an ulp off; see :func:`_divide`), which
 is what makes the int8 values the reference's bit for bit on CPU; a TPU's float32 division is
 not checked here. Values for ``pv_dtype``: ``"fp16"`` V rounded to float16 (held as float32:
-Mosaic has no float16), ``"fp8"`` V per (sequence, head, channel) scaled to float8_e4m3fn (held as
-bfloat16, exact), ``"none"`` V as given (float16 as float32). The granularity, the smoothing
+Mosaic has no float16; bfloat16 and float32 V first divided by a power of two per (sequence,
+head, channel), 1 where it fits float16's range, so that none rounds to inf), ``"fp8"`` V per
+(sequence, head, channel) scaled to float8_e4m3fn (held as bfloat16, exact), ``"none"`` V as given (float16 as float32). The granularity, the smoothing
 (K's a flag, Q's means and key bias zeros when off, which change no number), the mask and
 sm_scale are traced values, not static ones: they change no shape, and in interpret mode every
 compile costs seconds (on a TPU, unsmoothed queries still read a zero key bias).
@@ -38,8 +39,8 @@ integer rounding of the bits, Mosaic having no float16), ``e4m3fn(448 p)`` (``"f
 bits, then exact in bfloat16), bfloat16, or float32. Scalar prefetch gives each query block its
 sequence, its first row, and the key blocks it sees (bottom-right causal blocks past the
 diagonal are neither fetched nor computed). The last step writes ``acc / l`` (times
-``v_scale / 448`` for fp8) and ``m + log2 l``; jnp turns the latter into the natural lse and adds
-the smoothing's ``sm_scale q . k_mean``.
+``v_scale / 448`` for fp8, ``v_scale`` for fp16's power of two) and ``m + log2 l``; jnp turns
+the latter into the natural lse and adds the smoothing's ``sm_scale q . k_mean``.
 
 **Backward** (the straight-through estimator: exact attention's gradient at the same inputs,
 float32 from the inputs' values): the forward kernel in exact mode (float32 scores, float32
@@ -76,6 +77,7 @@ ALIGN = 128  # sequences start at multiples of this many padded rows (every grou
 MAX_BLOCK_K = 512
 INT8_MAX = 127
 FP8_MAX = 448.0
+FP16_MAX = 65504.0
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _F32 = jnp.float32
@@ -273,18 +275,44 @@ def folded_scale(sm_scale: float) -> float:
     return float(np.float32(float(sm_scale) * LOG2E))
 
 
+def _value_amax(vf, k_seq, num_seqs: int):
+    """float32 V rows ``[Hkv, Pk, D]``: max |v| per sequence, head and channel ``[S, Hkv, D]``, NaN
+    where a NaN is (segment_max drops it)."""
+    by_row = jnp.moveaxis(jnp.abs(vf), 1, 0)  # [Pk, Hkv, D]; padding rows are segment num_seqs
+    amax = jax.ops.segment_max(by_row, k_seq, num_segments=num_seqs + 1)[:num_seqs]
+    nan = jax.ops.segment_max(jnp.isnan(by_row).astype(_F32), k_seq, num_segments=num_seqs + 1)[:num_seqs] > 0
+    return jnp.where(nan, jnp.nan, amax)
+
+
+def _per_row(scale, k_seq):
+    """``scale [S, Hkv, D]`` per row ``[Hkv, Pk, D]`` (padding rows 1)."""
+    return jnp.moveaxis(jnp.concatenate([scale, jnp.ones((1,) + scale.shape[1:], _F32)])[k_seq], 0, 1)
+
+
 def _fp8_values(v_rows, k_seq, num_seqs: int):
     """V rows ``[Hkv, Pk, D]`` as float8_e4m3fn values (held in bfloat16) and ``v_scale [S, Hkv, D]``
     per sequence, head and channel (``amax / 448``, 1 where 0 or NaN)."""
     vf = v_rows.astype(_F32)
-    by_row = jnp.moveaxis(jnp.abs(vf), 1, 0)  # [Pk, Hkv, D]; padding rows are segment num_seqs
-    amax = jax.ops.segment_max(by_row, k_seq, num_segments=num_seqs + 1)[:num_seqs]
-    nan = jax.ops.segment_max(jnp.isnan(by_row).astype(_F32), k_seq, num_segments=num_seqs + 1)[:num_seqs] > 0
-    amax = jnp.where(nan, jnp.nan, amax)
+    amax = _value_amax(vf, k_seq, num_seqs)
     scale = jnp.where(amax > 0, _divide(amax, FP8_MAX), jnp.float32(1.0))  # [S, Hkv, D]
-    row_scale = jnp.moveaxis(jnp.concatenate([scale, jnp.ones((1,) + scale.shape[1:], _F32)])[k_seq], 0, 1)
-    v8 = jnp.clip(_divide(vf, row_scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    v8 = jnp.clip(_divide(vf, _per_row(scale, k_seq)), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return v8.astype(jnp.bfloat16), scale
+
+
+def _fp16_values(v_rows, k_seq, num_seqs: int):
+    """V rows ``[Hkv, Pk, D]`` of bfloat16 or float32 as float16 values (held in float32) after
+    division by ``v_scale [S, Hkv, D]``, which it returns: per sequence, head and channel the
+    least power of two ``2^e`` (``e >= 0``) with ``max |v| / 2^e <= 65504``, 1 where V fits float16
+    (or the max is inf or NaN), so that V past float16's range makes no inf (the reference's
+    ``value_scale``; exact, and the plain rounding wherever V fits)."""
+    vf = v_rows.astype(_F32)
+    amax = _value_amax(vf, k_seq, num_seqs)
+    # amax = mantissa 2^exponent, mantissa in [0.5, 1): amax / 2^(exponent - 16) is in [32768, 65536)
+    mantissa, exponent = jnp.frexp(amax)
+    exponent = exponent - 16 + (mantissa * 65536.0 > FP16_MAX).astype(exponent.dtype)
+    beyond = (amax > FP16_MAX) & jnp.isfinite(amax)
+    scale = jnp.where(beyond, jnp.ldexp(jnp.ones_like(amax), exponent), jnp.float32(1.0))
+    return _divide(vf, _per_row(scale, k_seq)).astype(jnp.float16).astype(_F32), scale
 
 
 # ---------------------------------------------------------------- in-kernel math
@@ -377,7 +405,7 @@ class _Static:
 
 
 def _forward_kernel(seq_ref, row0_ref, first_ref, last_ref, seen_ref, q_len_ref, k_len_ref, causal_ref, *refs,
-                    quantized, p_form, fp8, group, block_q, block_k):
+                    quantized, p_form, scaled, group, block_q, block_k):
     del first_ref, last_ref  # used by the index maps only
     refs = list(refs)
     if quantized:
@@ -386,7 +414,7 @@ def _forward_kernel(seq_ref, row0_ref, first_ref, last_ref, seen_ref, q_len_ref,
     else:
         c_ref, q_ref, k_ref, v_ref = refs[:4]
         refs = refs[4:]
-    vf_ref = refs.pop(0) if fp8 else None
+    vf_ref = refs.pop(0) if scaled else None
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     i, j = pl.program_id(1), pl.program_id(2)
     rows, head_size = group * block_q, q_ref.shape[-1]
@@ -430,7 +458,7 @@ def _forward_kernel(seq_ref, row0_ref, first_ref, last_ref, seen_ref, q_len_ref,
     def _():
         l = l_ref[...]
         out = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)  # a row with no key has acc = 0; NaN stays NaN
-        if fp8:
+        if scaled:
             out = out * vf_ref[...]
         o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
         lse_ref[...] = (m_ref[...] + jnp.log2(l)).reshape(lse_ref.shape)
@@ -449,12 +477,12 @@ def _run_forward(st: _Static, lay: _Layout, q, k, v, q_scale=None, k_scale=None,
 
     Quantized: q, k int8 with scales ``[Hkv, G, Pq, 1]`` / ``[Hkv, Pk / block_k, block_k / 64, 64]``,
     the key bias ``[Hkv, G, Pk / block_k, block_k / 64, 64]``, v as the MMA reads it, ``v_factor``
-    ``[S, Hkv, 1, D]`` for fp8. Exact (``c`` given: float32 ``[1]`` holding ``sm_scale log2 e``):
-    float32 q, k, v."""
+    ``[S, Hkv, 1, D]`` multiplying the output (fp8, and fp16 of bfloat16 / float32 inputs). Exact
+    (``c`` given: float32 ``[1]`` holding ``sm_scale log2 e``): float32 q, k, v."""
     kv_heads, group, q_rows, head_size = q.shape
     bq, bk = st.block_q, st.block_k
     quantized = c is None
-    fp8 = v_factor is not None
+    scaled = v_factor is not None
     p_form = _p_form(st.pv_dtype, jnp.dtype(st.dtype)) if quantized else "f32"
 
     def k_block(h, i, j, seq, row0, first, last, *_):
@@ -472,12 +500,12 @@ def _run_forward(st: _Static, lay: _Layout, q, k, v, q_scale=None, k_scale=None,
     else:
         in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), q_spec, kv_spec, kv_spec]
         operands = [c, q, k, v]
-    if fp8:
+    if scaled:
         in_specs.append(pl.BlockSpec((None, None, 1, head_size), lambda h, i, j, seq, *_: (seq[i], h, 0, 0)))
         operands.append(v_factor)
     out_dtype = jnp.bfloat16 if quantized and st.dtype == "bfloat16" else _F32
-    kernel = functools.partial(_forward_kernel, quantized=quantized, p_form=p_form, fp8=fp8, group=group, block_q=bq,
-                               block_k=bk)
+    kernel = functools.partial(_forward_kernel, quantized=quantized, p_form=p_form, scaled=scaled, group=group,
+                               block_q=bq, block_k=bk)
     rows = group * bq
     return pl.pallas_call(
         kernel,
@@ -615,7 +643,8 @@ def _grouped(rows, kv_heads: int):
 def _prepare(st: _Static, lay: _Layout, q, k, v, k_mean, q_mean, options):
     """The kernel's quantized operands on padded rows: float32 query rows ``[Hq, Pq, D]`` (for the
     smoothing's lse term), int8 q ``[Hq, Pq, D]`` and its scales ``[Hq, Pq]``, int8 k ``[Hkv, Pk,
-    D]`` and its scales ``[Hkv, Pk]``, V as the MMA reads it and, for fp8, ``v_scale [S, Hkv, D]``.
+    D]`` and its scales ``[Hkv, Pk]``, V as the MMA reads it and, for fp8 (and fp16 of bfloat16 or
+    float32 inputs), ``v_scale [S, Hkv, D]``.
     ``options``: float32 ``[folded scale, sm_scale, granularity index, smoothing flag]``; the key
     mean is subtracted only where the flag is set (so that without it the keys are exact). The
     query mean ``[S, Hq, D]`` is always subtracted (zeros without Q smoothing: exact too)."""
@@ -633,6 +662,8 @@ def _prepare(st: _Static, lay: _Layout, q, k, v, k_mean, q_mean, options):
     v_scale = None
     if st.pv_dtype == "fp8":
         v_read, v_scale = _fp8_values(v_rows, lay.k_seq, st.num_seqs)
+    elif st.pv_dtype == "fp16" and v.dtype != jnp.float16:
+        v_read, v_scale = _fp16_values(v_rows, lay.k_seq, st.num_seqs)
     elif st.pv_dtype == "fp16" or v.dtype == jnp.float16:
         v_read = v_rows.astype(jnp.float16).astype(_F32)
     else:
@@ -645,7 +676,9 @@ def _forward(st: _Static, lay: _Layout, q, k, v, k_mean, q_mean, key_bias, optio
     batch, _, nq, _ = q.shape
     kv_heads = k.shape[1]
     q_rows, q8, q_scale, k8, k_scale, v_read, v_scale = _prepare(st, lay, q, k, v, k_mean, q_mean, options)
-    v_factor = None if v_scale is None else _divide(v_scale, FP8_MAX)[:, :, None, :]
+    v_factor = None
+    if v_scale is not None:  # fp8: v_scale / 448; fp16: the power of two V was divided by
+        v_factor = (_divide(v_scale, FP8_MAX) if st.pv_dtype == "fp8" else v_scale)[:, :, None, :]
     tiles = (k8.shape[1] // st.block_k, st.block_k // TILE_K, TILE_K)
     bias = _grouped(_rows(key_bias[..., None], lay.k_gather)[..., 0], kv_heads)  # [Hkv, G, Pk], padding rows 0
     out, lse2 = _run_forward(st, lay, _grouped(q8, kv_heads), k8, v_read, _grouped(q_scale, kv_heads)[..., None],
@@ -878,7 +911,8 @@ def quantize_inputs(q, k, v, sm_scale=None, granularity="per_block", pv_dtype="f
                     cu_seqlens_q=None, cu_seqlens_k=None, *, smooth_q=True, k_mean=None, q_mean=None):
     """What the forward kernel reads, in the inputs' layout: ``(q_int8 [B, Hq, Nq, D], q_scale
     [B, Hq, Nq], k_int8 [B, Hkv, Nk, D], k_scale [B, Hkv, Nk], V as P.V reads it [B, Hkv, Nk, D]
-    (float32, or bfloat16 holding float8_e4m3fn values), v_scale [S, Hkv, D] (fp8; else None))``;
+    (float32, or bfloat16 holding float8_e4m3fn values), v_scale [S, Hkv, D] (fp8, and fp16 of
+    bfloat16 / float32 inputs; else None))``;
     arguments as :func:`quantized_attention` (the key bias is not quantized). The int8 values and
     scales are the reference's."""
     smooth = bool(smooth_k) or k_mean is not None

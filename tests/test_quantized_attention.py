@@ -234,6 +234,20 @@ def test_quantization_groups_and_scales():
         assert (q8.float() * scale[..., None] - folded).abs().max() <= scale.max() / 2 * 1.0001
 
 
+def test_value_scale_is_the_least_power_of_two():
+    """fp16 P.V's V scale: 1 within float16's range (and for inf / NaN maxima), else the least power
+    of two bringing the max within 65504; per packed sequence with cu_seqlens."""
+    amax = [65504.0, 65505.0, 131008.0, 131009.0, 3.0e38, torch.finfo(torch.float32).max, math.inf, math.nan, 1.0,
+            0.0]
+    want = [1.0, 2.0, 2.0, 4.0, 2.0**112, 2.0**113, 1.0, 1.0, 1.0, 1.0]
+    v = torch.tensor(amax).view(1, 1, 1, -1) * torch.tensor([1.0, -0.5]).view(1, 1, 2, 1)
+    assert reference.value_scale(v).flatten().tolist() == want
+    cu = torch.tensor([0, 1, 1, 2])  # an empty sequence between two
+    packed = reference.value_scale(torch.cat([v[:, :, :1], v[:, :, :1] / 2**10], dim=2), cu)
+    assert packed[:, 0].tolist() == [want, [1.0] * len(want), [1.0, 1.0, 1.0, 1.0, 2.0**102, 2.0**103, 1.0, 1.0, 1.0,
+                                                               1.0]]
+
+
 def test_smoothing_and_int8_matmul_are_exact():
     """Smoothed keys and queries are centred, the key bias is exactly the scores Q smoothing took
     out, and the emulated int8 GEMM equals int32 accumulation (torch._int_mm)."""
@@ -351,6 +365,41 @@ def test_nan_spreads_over_its_quantization_group(backend):
         assert out[0, :, 150:].isnan().any(dim=-1).all(), pv_dtype
 
 
+def each_channel_at(v: torch.Tensor, value: float, cu: list[int]) -> torch.Tensor:
+    """``v`` with every (sequence, head, channel)'s max |v| scaled to ``value`` (in v's dtype)."""
+    parts = [v[:, :, a:b].float() for a, b in zip(cu, cu[1:])]
+    return torch.cat([p / p.abs().amax(dim=2, keepdim=True) * value for p in parts], dim=2).to(v.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_beyond_float16_range(backend, dtype):
+    """``pv_dtype="fp16"`` with |V| past float16's 65504 (float32 and bfloat16 inputs): no NaN,
+    within the fp16 gate of float32 SDPA, through quantized_sdpa too. V is divided by a power of
+    two per (sequence, kv head, channel), 1 where it fits: channels at max |v| 60000 multiplied by
+    2^20 give exactly 2^20 times their output, and packed sequences scale each on its own."""
+    require_backend(backend)
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, nq=70, nk=70, d=64, dtype=dtype, seed=40)
+    cu = [0, 30, 70]
+    v = each_channel_at(v, 60000.0, cu)
+    fits = torch_kernels.quantized_attention(q, k, v, implementation=backend)
+    big = v * 2**20
+    out = torch_kernels.quantized_attention(q, k, big, implementation=backend)
+    assert not out.isnan().any()
+    cos, l1 = accuracy(out, sdpa_float32(q, k, big))
+    report(f"{backend} {dtype} |V| to 6e4 * 2^20", cos, l1)
+    assert cos >= GATES["fp16"][0] and l1 <= GATES["fp16"][1]
+    assert torch.equal(out, fits * 2**20)
+    sdpa = torch_kernels.quantized_sdpa(q, k, big, enable_gqa=True, force_quantized=True, implementation=backend)
+    assert torch.equal(sdpa, out)
+    offsets = torch.tensor(cu, dtype=torch.int32)
+    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, implementation=backend)
+    alone = torch_kernels.quantized_attention(q, k, v, **packed)
+    mixed = torch_kernels.quantized_attention(q, k, torch.cat([big[:, :, :30], v[:, :, 30:]], dim=2), **packed)
+    assert torch.equal(mixed[:, :, :30], alone[:, :, :30] * 2**20)
+    assert torch.equal(mixed[:, :, 30:], alone[:, :, 30:])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lse_matches_float32_logsumexp(backend):
     """The natural-log lse of the unsmoothed scores, also with large key offsets (the smoothing
@@ -430,13 +479,22 @@ def test_varlen_gradients_stay_within_sequences():
 # ---- quantized_sdpa ----
 
 def test_quantized_sdpa_swaps_for_sdpa():
-    """The quantized path equals quantized_attention; every fallback equals SDPA itself."""
+    """The quantized path equals quantized_attention, options included; on CPU tensors it runs only
+    when forced (exact SDPA otherwise); every fallback equals SDPA itself, forced or not."""
     q, k, v = make_qkv(b=2, hq=8, hkv=2, nq=90, nk=90, d=64, dtype=torch.bfloat16, seed=15)
-    out = torch_kernels.quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    out = torch_kernels.quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True, force_quantized=True)
     assert torch.equal(out, torch_kernels.quantized_attention(q, k, v, causal=True))
     cos, l1 = accuracy(out, F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                                            enable_gqa=True))
     assert cos >= 0.999 and l1 <= 0.03
+    options = dict(granularity="per_thread", pv_dtype="fp8", smooth_k=False, smooth_q=False)
+    assert torch.equal(torch_kernels.quantized_sdpa(q, k, v, enable_gqa=True, force_quantized=True, **options),
+                       torch_kernels.quantized_attention(q, k, v, **options))
+    assert not torch.equal(out, torch_kernels.quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True,
+                                                             force_quantized=True, **options))
+    assert not ops.quantizing_pays(q)  # CPU: exact SDPA, the options unused
+    assert torch.equal(torch_kernels.quantized_sdpa(q, k, v, is_causal=True, enable_gqa=True, **options),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     # masks, dropout, top-left causal with L != S and non-4D inputs are SDPA's own, unquantized
     mask = torch.rand(90, 90, generator=torch.Generator().manual_seed(16)) > 0.3
     for kwargs, (qq, kk, vv) in (
@@ -445,14 +503,14 @@ def test_quantized_sdpa_swaps_for_sdpa():
         (dict(is_causal=True, enable_gqa=True), (q[:, :, :30], k, v)),
         (dict(), (q[0, :2], k[0], v[0])),
     ):
-        torch.testing.assert_close(torch_kernels.quantized_sdpa(qq, kk, vv, **kwargs),
+        torch.testing.assert_close(torch_kernels.quantized_sdpa(qq, kk, vv, force_quantized=True, **kwargs),
                                    F.scaled_dot_product_attention(qq, kk, vv, **kwargs), rtol=0, atol=0)
     torch.manual_seed(17)
-    dropped = torch_kernels.quantized_sdpa(q, k, v, dropout_p=0.5, enable_gqa=True)
+    dropped = torch_kernels.quantized_sdpa(q, k, v, dropout_p=0.5, enable_gqa=True, force_quantized=True)
     torch.manual_seed(17)
     torch.testing.assert_close(dropped, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True))
     with pytest.raises(RuntimeError):  # SDPA's own error for heads that differ without enable_gqa
-        torch_kernels.quantized_sdpa(q, k, v)
+        torch_kernels.quantized_sdpa(q, k, v, force_quantized=True)
 
 
 # ---- the op contract ----
@@ -489,7 +547,8 @@ class AttentionBlock(torch.nn.Module):
         q = self.q(x).view(b, n, self.heads, self.head_size)
         k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_size).unbind(2)
         a = torch_kernels.quantized_attention(q, k, v, causal=True, layout="NHD", granularity="per_thread")
-        s = torch_kernels.quantized_sdpa(*(t.transpose(1, 2) for t in (q, k, v)), enable_gqa=True).transpose(1, 2)
+        s = torch_kernels.quantized_sdpa(*(t.transpose(1, 2) for t in (q, k, v)), enable_gqa=True,
+                                         force_quantized=True).transpose(1, 2)
         return self.o((a + s).reshape(b, n, -1))
 
 
@@ -575,10 +634,17 @@ def _packed():
 
 
 def _call(**changes):
-    """A call of quantized_attention with ``changes`` made to :func:`_packed`'s arguments."""
+    """A call of quantized_attention on a backend with ``changes`` made to :func:`_packed`'s arguments."""
     kwargs = _packed()
     kwargs.update(changes)
-    return lambda: torch_kernels.quantized_attention(**kwargs)
+    return lambda backend: torch_kernels.quantized_attention(**kwargs, implementation=backend)
+
+
+def _sdpa(**kwargs):
+    """A call of quantized_sdpa on a backend, forced onto the quantized path unless ``kwargs`` say."""
+    x = torch.randn(1, 1, 2, 8)
+    kwargs = dict(query=x, key=x, value=x, force_quantized=True) | kwargs
+    return lambda backend: torch_kernels.quantized_sdpa(**kwargs, implementation=backend)
 
 
 BAD_INPUTS = {
@@ -591,8 +657,10 @@ BAD_INPUTS = {
     "v shape": ("v", ValueError, _call(v=torch.randn(1, 2, 39, 64).half())),
     "heads not a multiple": ("k", ValueError, _call(k=torch.randn(1, 3, 40, 64).half(),
                                                     v=torch.randn(1, 3, 40, 64).half())),
-    "k batch": ("k", ValueError, lambda: torch_kernels.quantized_attention(
-        torch.randn(2, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64))),
+    "k batch": ("k", ValueError, lambda backend: torch_kernels.quantized_attention(
+        torch.randn(2, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64), implementation=backend)),
+    "head size 0": ("q", ValueError, _call(q=torch.randn(1, 4, 30, 0).half(), k=torch.randn(1, 2, 40, 0).half(),
+                                           v=torch.randn(1, 2, 40, 0).half())),
     "layout": ("layout", ValueError, _call(layout="BHSD")),
     "granularity": ("granularity", ValueError, _call(granularity="per_tensor")),
     "pv_dtype": ("pv_dtype", ValueError, _call(pv_dtype="fp32")),
@@ -616,18 +684,24 @@ BAD_INPUTS = {
                                                                   k=torch.randn(2, 2, 40, 64).half(),
                                                                   v=torch.randn(2, 2, 40, 64).half())),
     "NHD heads": ("k", ValueError, _call(layout="NHD", cu_seqlens_q=None, cu_seqlens_k=None)),
-    "sdpa query": ("query", TypeError, lambda: torch_kernels.quantized_sdpa(None, torch.randn(1, 1, 2, 8),
-                                                                           torch.randn(1, 1, 2, 8))),
-    "sdpa scale": ("scale", TypeError, lambda: torch_kernels.quantized_sdpa(
-        torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), scale="x")),
+    "sdpa query": ("query", TypeError, _sdpa(query=None)),
+    "sdpa scale": ("scale", TypeError, _sdpa(scale="x")),
+    # the options are checked on the SDPA route too
+    "sdpa pv_dtype": ("pv_dtype", ValueError, _sdpa(pv_dtype="fp32", force_quantized=False)),
+    "sdpa granularity": ("granularity", ValueError, _sdpa(granularity="per_tensor", attn_mask=torch.ones(2, 2) > 0)),
+    "sdpa smooth_q not bool": ("smooth_q", TypeError, _sdpa(smooth_q=1)),
+    "sdpa force_quantized not bool": ("force_quantized", TypeError, _sdpa(force_quantized="yes")),
 }
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_inputs_name_the_argument(case):
-    """Each bad call raises its error type with a message starting with the argument's name."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_name_the_argument(backend, case):
+    """Each bad call raises its error type with a message starting with the argument's name, on
+    every backend (the checks run before any kernel)."""
+    require_backend(backend)
     argument, error, call = BAD_INPUTS[case]
     with pytest.raises(error) as raised:
-        call()
+        call(backend)
     assert str(raised.value).startswith(f"{argument}:") or str(raised.value).startswith(f"{argument},"), \
         str(raised.value)

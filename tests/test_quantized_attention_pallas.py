@@ -35,7 +35,7 @@ from torch_kernels import backends
 from torch_kernels.reference import quantized_attention as reference
 
 from harness import require_backend, run_isolated
-from test_quantized_attention import make_qkv as shared_make_qkv
+from test_quantized_attention import each_channel_at, make_qkv as shared_make_qkv
 
 pytestmark = pytest.mark.usefixtures("pallas")
 
@@ -289,6 +289,29 @@ def test_other_head_sizes_go_to_the_next_backend():
         torch_kernels.quantized_attention(q, k, v, implementation="pallas")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pure_jax_values_beyond_float16_range(dtype):
+    """Pure JAX (and torchax, which calls it), where the op's scaling of V does not run: fp16 P.V
+    divides V past float16's range by a power of two per (sequence, head, channel) itself, so
+    channels at max |v| 60000 multiplied by 2^20 give exactly 2^20 times their output, no NaN;
+    V that fits is not scaled (v_scale 1)."""
+    import jax.numpy as jnp
+
+    kernels = _kernels()
+    q, k, v = make_qkv(1, 4, 2, 70, 70, 64, torch.float32, seed=13)
+    cu = (0, 30, 70)
+    v = each_channel_at(v, 60000.0, list(cu))
+    arrays = [jnp.asarray(t.numpy()).astype(dtype) for t in (q, k, v, v * 2**20)]
+    fits, _ = kernels.quantized_attention(*arrays[:3], None, True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    big, _ = kernels.quantized_attention(*arrays[:2], arrays[3], None, True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    fits, big = (torch.from_numpy(np.array(x.astype(jnp.float32))) for x in (fits, big))
+    assert not big.isnan().any()
+    assert torch.equal(big, fits * 2**20)
+    for values, want in ((arrays[2], 1.0), (arrays[3], 2.0**20)):
+        v_scale = kernels.quantize_inputs(*arrays[:2], values, cu_seqlens_q=cu, cu_seqlens_k=cu)[-1]
+        assert (np.asarray(v_scale) == want).all()
+
+
 def test_nothing_to_compute():
     """No batch, no queries, no keys: the reference's zeros and -inf, and zero gradients."""
     for b, nq, nk in ((0, 5, 5), (1, 0, 5), (1, 5, 0)):
@@ -447,7 +470,7 @@ def test_torchax_tensors_run_pallas_with_gradients():
 # torchax registers a 'jax' device for the whole process: a process of its own
 TORCHAX_CHECK = """
 import pytest, torch, torch_kernels
-from test_quantized_attention_pallas import make_qkv, relative_rmse
+from test_quantized_attention_pallas import each_channel_at, make_qkv, relative_rmse
 
 env = torch_kernels.torchax_environment()
 q, k, v = make_qkv(1, 4, 2, 90, 120, 64, torch.float32, seed=10)
@@ -479,6 +502,12 @@ with env:
                                           cu_seqlens_k=cu[1].to("jax"))
     with pytest.raises(NotImplementedError, match="torchax tensors run"):
         torch_kernels.quantized_attention(*leaves, implementation="triton")
+    # V past float16's range (fp16 P.V), scaled in JAX here, not by the op: channels at max |v|
+    # 60000 times 2^20 give 2^20 times their output
+    fits = each_channel_at(v, 60000.0, [0, 120])
+    big_out, fits_out = (torch_kernels.quantized_attention(*(t.to("jax") for t in (q, k, values))).to("cpu")
+                         for values in (fits * 2**20, fits))
+assert not big_out.isnan().any() and torch.equal(big_out, fits_out * 2**20)
 # the key mean is computed in JAX here (summation order): the same int8 values but at rare ties
 assert relative_rmse(out, want_out) < 1e-5 and (lse - want_lse).abs().max() < 1e-4
 for got, want in zip(grads, want_grads):

@@ -1,9 +1,10 @@
 """``attn_implementation="torch_kernels_quantized"``: transformers models through quantized attention.
 
 A random Llama checks the drop-in (logits within the accuracy gate of the SDPA model, a training
-step's gradients close to it, padding handed to SDPA). The packaged SmolLM2 on real text (CLINC150
-test queries, which it never saw) checks the gates on real activations, layer by layer, and the
-end-to-end perplexity for every granularity and P.V precision.
+step's gradients close to it, padding handed to SDPA, CPU tensors handed to exact SDPA unless
+forced: every test of the quantized numbers here forces them). The packaged SmolLM2 on real text
+(CLINC150 test queries, which it never saw) checks the gates on real activations, layer by layer,
+and the end-to-end perplexity for every granularity and P.V precision.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch_kernels
 from torch_kernels import models
 from torch_kernels.goodput import DATA as CLINC150  # the packaged copy
 from torch_kernels.integrations import transformers as integration
-from torch_kernels.ops.quantized_attention import GRANULARITIES, PV_DTYPES
+from torch_kernels.ops.quantized_attention import FORCE_ENV_VAR, GRANULARITIES, PV_DTYPES
 
 REQUIRE_ALL = bool(__import__("os").environ.get("TORCH_KERNELS_REQUIRE_ALL_BACKENDS"))
 GATES = {"fp16": (0.999, 0.03), "none": (0.999, 0.03), "fp8": (0.998, 0.06)}  # cosine >=, relative L1 <=
@@ -42,6 +43,9 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)  # head size 64
 
 
+FORCED = dict(force_quantized=True)  # CPU tensors take exact SDPA otherwise
+
+
 def test_tiny_llama_logits_and_gradients_against_sdpa():
     model = tiny_llama()
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(1))
@@ -49,7 +53,7 @@ def test_tiny_llama_logits_and_gradients_against_sdpa():
     for name in ("sdpa", integration.QUANTIZED_ATTENTION):
         model.set_attn_implementation(name)
         model.zero_grad()
-        out = model(ids, labels=ids)
+        out = model(ids, labels=ids, **FORCED)
         out.loss.backward()
         results[name] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     (ref, ref_grads), (got, got_grads) = results["sdpa"], results[integration.QUANTIZED_ATTENTION]
@@ -61,8 +65,10 @@ def test_tiny_llama_logits_and_gradients_against_sdpa():
         assert error < 0.05, (name, error)
 
 
-def test_padding_and_decoding():
-    """A padded batch goes to SDPA (equal logits); greedy decoding over a cache takes the quantized path."""
+def test_padding_and_decoding(monkeypatch):
+    """A padded batch goes to SDPA (equal logits); greedy decoding over a cache takes the quantized
+    path (forced by the environment: generate() passes no force_quantized through)."""
+    monkeypatch.setenv(FORCE_ENV_VAR, "1")
     model = tiny_llama().eval()
     ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -78,6 +84,32 @@ def test_padding_and_decoding():
             model.generate(ids[:1, :8], max_new_tokens=3, do_sample=False)
         calls = [e.name for e in prof.events() if e.name == "torch_kernels::quantized_attention"]
         assert len(calls) == 3 * 2  # prefill and two decode steps, two layers
+
+
+def test_cpu_takes_exact_sdpa_unless_forced(monkeypatch):
+    """On CPU tensors the quantized kernel cannot beat SDPA: the attention function runs SDPA (equal
+    logits, no quantized call) and checks its options all the same; forced (by the keyword or
+    the environment), it quantizes."""
+    monkeypatch.delenv(FORCE_ENV_VAR, raising=False)
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        exact = model(ids).logits
+        model.set_attn_implementation(integration.QUANTIZED_ATTENTION)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            routed = model(ids, pv_dtype="fp8").logits
+        assert not [e for e in prof.events() if e.name == "torch_kernels::quantized_attention"]
+        assert torch.equal(routed, exact)
+        forced = model(ids, **FORCED).logits
+        assert not torch.equal(forced, exact)
+        monkeypatch.setenv(FORCE_ENV_VAR, "1")
+        assert torch.equal(model(ids).logits, forced)
+        monkeypatch.delenv(FORCE_ENV_VAR)
+        with pytest.raises(ValueError, match="^pv_dtype:"):
+            model(ids, pv_dtype="fp32")
+        with pytest.raises(TypeError, match="^force_quantized:"):
+            model(ids, force_quantized="yes")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +193,7 @@ def test_smollm2_perplexity_within_one_percent(smollm2, real_text_ids):
     baseline = perplexity(model, real_text_ids)
     model.set_attn_implementation(integration.QUANTIZED_ATTENTION)
     try:
-        figures = {(g, p): perplexity(model, real_text_ids, granularity=g, pv_dtype=p)
+        figures = {(g, p): perplexity(model, real_text_ids, granularity=g, pv_dtype=p, **FORCED)
                    for g in GRANULARITIES for p in PV_DTYPES}
     finally:
         model.set_attn_implementation("sdpa")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..ops.moe import fused_moe
-from ..ops.quantized_attention import quantized_attention
+from ..ops.quantized_attention import check_options, quantized_attention, quantizing_pays
 
 NAME = "torch_kernels"
 QUANTIZED_ATTENTION = "torch_kernels_quantized"
@@ -85,14 +85,19 @@ def quantized_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
 
     Causal attention is aligned bottom-right, so prefill, chunked prefill over a cache and decoding
     all take the quantized path. A padding mask, dropout, a sliding window or a soft cap go to
-    transformers' SDPA path instead (the op has none of them). ``granularity``, ``pv_dtype``,
-    ``smooth_k`` and ``smooth_q`` pass through the model's call as attention kwargs, e.g.
-    ``model(input_ids, granularity="per_thread", pv_dtype="fp8")``."""
+    transformers' SDPA path instead (the op has none of them), and so do CPU tensors, where the
+    quantized kernel is 5-6x slower than exact SDPA, unless the call passes ``force_quantized=True``
+    or ``TORCH_KERNELS_FORCE_QUANTIZED=1`` is set (``generate()`` rejects the keyword; see
+    ``torch_kernels.ops.quantized_attention.quantizing_pays``). ``granularity``, ``pv_dtype``,
+    ``smooth_k``, ``smooth_q`` and ``force_quantized`` pass through the model's call as attention
+    kwargs, e.g. ``model(input_ids, granularity="per_thread", pv_dtype="fp8")``; the options are
+    checked on either path."""
     options = {name: kwargs.pop(name) for name in ("granularity", "pv_dtype", "smooth_k", "smooth_q")
                if name in kwargs}
+    check_options(**options)
     plain = (attention_mask is None and (dropout == 0.0 or not module.training) and not kwargs.get("sliding_window")
              and not kwargs.get("softcap") and query.shape[-1] == key.shape[-1] == value.shape[-1])
-    if not plain:
+    if not (quantizing_pays(query, kwargs.pop("force_quantized", False)) and plain):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

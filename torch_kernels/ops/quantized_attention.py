@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Sequence
 
 import torch
@@ -62,6 +63,22 @@ def _is_real(x) -> bool:
 
 # ---- checks ----
 
+def _check_bool(name: str, flag) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+
+
+def check_options(*, granularity="per_block", pv_dtype="fp16", smooth_k=True, smooth_q=True) -> None:
+    """Checks the quantization options (no tensor read; one not given is its default); errors name
+    the argument."""
+    _check_bool("smooth_k", smooth_k)
+    _check_bool("smooth_q", smooth_q)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    if pv_dtype not in PV_DTYPES:
+        raise ValueError(f"pv_dtype: expected one of {PV_DTYPES}, got {pv_dtype!r}")
+
+
 def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, cu_seqlens_q, cu_seqlens_k,
                  smooth_q=True, layout="HND", names=("q", "k", "v")) -> None:
     """Types, shapes, dtypes, devices and options (no data read); errors name the argument."""
@@ -88,17 +105,13 @@ def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, 
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"{kn}: expected a number of heads dividing {qn}'s {heads} (GQA/MQA) in dimension {h_dim}, "
                          f"got {kv_heads}")
-    for name, flag in (("causal", causal), ("smooth_k", smooth_k), ("smooth_q", smooth_q)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
-    if not _is_real(sm_scale):
-        raise TypeError(f"sm_scale: expected a float or None, got {type(sm_scale).__name__} {sm_scale!r}")
-    if not abs(sm_scale) < math.inf:  # not math.isfinite: that breaks the graph on a symbolic float
-        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
-    if pv_dtype not in PV_DTYPES:
-        raise ValueError(f"pv_dtype: expected one of {PV_DTYPES}, got {pv_dtype!r}")
+    _check_bool("causal", causal)
+    if sm_scale is not None:  # None: the public functions' default, D ** -0.5 (D > 0 checked above)
+        if not _is_real(sm_scale):
+            raise TypeError(f"sm_scale: expected a float or None, got {type(sm_scale).__name__} {sm_scale!r}")
+        if not abs(sm_scale) < math.inf:  # not math.isfinite: that breaks the graph on a symbolic float
+            raise ValueError(f"sm_scale: expected a finite number, got {sm_scale!r}")
+    check_options(granularity=granularity, pv_dtype=pv_dtype, smooth_k=smooth_k, smooth_q=smooth_q)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected both or neither, got "
                          f"{type(cu_seqlens_q).__name__} and {type(cu_seqlens_k).__name__}")
@@ -157,8 +170,19 @@ def _forward_kernel(*args):
     cu_q, cu_k = _index(cu_q), _index(cu_k)
     # once here, so every backend smooths with the same numbers
     k_mean, q_mean, key_bias = reference.smoothing(q, k, float(sm_scale), smooth_q, smooth_k, cu_q, cu_k)
-    return backends.dispatch(OP, _device_type(q), implementation, q, k, v, k_mean, q_mean, key_bias, float(sm_scale),
-                             causal, granularity, pv_dtype, cu_q, cu_k)
+    # float16 P.V: V beyond float16's range would round to inf (NaN rows), so every backend gets it
+    # divided by a power of two (1 where it fits, so results in range are unchanged) and the
+    # output is multiplied back, both exact; float16 inputs always fit
+    fits = pv_dtype != "fp16" or v.dtype == torch.float16 or v.numel() == 0
+    scale = None if fits else reference.value_scale(v, cu_k)
+    if scale is not None:
+        v = v / reference.per_token(scale, cu_k, v.shape[2]).to(v.dtype)
+    out, lse = backends.dispatch(OP, _device_type(q), implementation, q, k, v, k_mean, q_mean, key_bias,
+                                 float(sm_scale), causal, granularity, pv_dtype, cu_q, cu_k)
+    if scale is not None:
+        scale = scale.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # per query head
+        out = out * reference.per_token(scale, cu_q, q.shape[2]).to(out.dtype)
+    return out, lse
 
 
 def _forward_fake(*args):
@@ -296,7 +320,9 @@ def quantized_attention(
         granularity: ``"per_block"`` (one scale per 128 query rows / 64 key rows),
             ``"per_warp"`` (per 32 query rows) or ``"per_thread"`` (finer: the rows one MMA
             thread holds, SageAttention 2's grouping).
-        pv_dtype: ``"fp16"`` (P and V in float16, float32 accumulation flushed each tile),
+        pv_dtype: ``"fp16"`` (P and V in float16, float32 accumulation flushed each tile; V
+            beyond float16's range, as bfloat16 and float32 inputs may hold, is first divided by
+            a power of two per sequence, kv head and channel, and the output multiplied back),
             ``"fp8"`` (V in ``float8_e4m3fn`` with per-channel scales, P in ``float8_e4m3fn``
             scaled by 448) or ``"none"`` (P.V in the inputs' precision).
         smooth_k: subtract the keys' mean first (recommended; it matters for keys with large
@@ -331,6 +357,13 @@ def quantized_attention(
     with ``smooth_k``, through the mean); in a value, every row that attends to it (and possibly
     other rows of its head: a tile multiplies it by a zero probability, fp8 shares its channel's
     scale).
+
+    Speed: the win is on accelerators (int8 tensor-core / MXU products). On CPU tensors the
+    reference kernel runs, about 5-6x slower than float32 ``scaled_dot_product_attention`` at
+    N = 1k-4k for the same accuracy target: use it there to check the quantized numbers, not for
+    speed. The drop-ins (:func:`quantized_sdpa`, transformers' ``"torch_kernels_quantized"``)
+    therefore run exact SDPA on CPU unless told ``force_quantized=True`` (or
+    ``TORCH_KERNELS_FORCE_QUANTIZED=1``); this op always quantizes.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, t)
@@ -338,11 +371,11 @@ def quantized_attention(
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    if q.dim() == 4 and sm_scale is None:
-        sm_scale = q.shape[3] ** -0.5
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
                  smooth_k=smooth_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, smooth_q=smooth_q,
                  layout=layout)
+    if sm_scale is None:  # after the checks: they reject D = 0
+        sm_scale = q.shape[3] ** -0.5
     if layout == "NHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out, lse = quantized_attention_op(q, k, v, float(sm_scale), causal, granularity, pv_dtype, smooth_k,
@@ -353,20 +386,47 @@ def quantized_attention(
     return (out, lse) if return_lse else out
 
 
-def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+# Devices whose tensors the drop-ins send to exact SDPA: there the quantized kernels cannot beat
+# it (CPU: the reference, 5-6x slower than float32 SDPA at N = 1k-4k, benchmarks/quantized_attention.py).
+EXACT_SDPA_DEVICES = ("cpu",)
+# =1 forces the quantized path everywhere, for callers that cannot pass force_quantized (generate())
+FORCE_ENV_VAR = "TORCH_KERNELS_FORCE_QUANTIZED"
+
+
+def quantizing_pays(t: torch.Tensor, force_quantized: bool = False) -> bool:
+    """Whether the drop-ins take the quantized path for tensors like ``t``: on devices not in
+    ``EXACT_SDPA_DEVICES``, or anywhere with ``force_quantized`` or ``TORCH_KERNELS_FORCE_QUANTIZED=1``."""
+    _check_bool("force_quantized", force_quantized)
+    return force_quantized or _device_type(t) not in EXACT_SDPA_DEVICES or os.environ.get(FORCE_ENV_VAR) == "1"
+
+
+def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+                   granularity: str = "per_block", pv_dtype: str = "fp16", smooth_k: bool = True,
+                   smooth_q: bool = True, implementation: str | Sequence[str] | None = None,
+                   force_quantized: bool = False):
     """``torch.nn.functional.scaled_dot_product_attention`` with :func:`quantized_attention` inside,
     for code that swaps SDPA wholesale (same signature, same ``[B, H, L, E]`` layout).
 
-    The quantized path (defaults: per-block INT8, ``pv_dtype="fp16"``, smoothed queries and keys) runs for
-    4-dimensional float16 / bfloat16 / float32 inputs with equal head sizes, no ``attn_mask``,
-    ``dropout_p == 0``, equal query and key heads (or a multiple with ``enable_gqa=True``) and,
-    with ``is_causal``, equal query and key lengths (SDPA's causal mask is top-left aligned,
-    ``quantized_attention``'s bottom-right). Every other call, a boolean or additive mask and
-    dropout included, falls back to ``scaled_dot_product_attention`` itself, unquantized, which
-    also raises SDPA's own errors. Gradients are those of :func:`quantized_attention`.
+    The quantized path runs for 4-dimensional float16 / bfloat16 / float32 inputs with equal head
+    sizes, no ``attn_mask``, ``dropout_p == 0``, equal query and key heads (or a multiple with
+    ``enable_gqa=True``) and, with ``is_causal``, equal query and key lengths (SDPA's causal mask
+    is top-left aligned, ``quantized_attention``'s bottom-right), on a device where quantizing
+    pays: not on CPU, where the quantized kernel is 5-6x slower than exact SDPA (see
+    :func:`quantized_attention`), unless ``force_quantized=True``. Every other call, a boolean or
+    additive mask and dropout included, falls back to ``scaled_dot_product_attention`` itself,
+    unquantized, which also raises SDPA's own errors. Gradients are those of
+    :func:`quantized_attention`.
+
+    Keyword-only options of the quantized path, as in :func:`quantized_attention`:
+    ``granularity`` (default ``"per_block"``), ``pv_dtype`` (``"fp16"``), ``smooth_k`` and
+    ``smooth_q`` (both True) and ``implementation`` (the backend or ordered list of backends);
+    ``force_quantized`` takes the quantized path on CPU too (to check its numbers there; or set
+    ``TORCH_KERNELS_FORCE_QUANTIZED=1``). The options are checked on every path.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _checks.tensor(name, t)
+    check_options(granularity=granularity, pv_dtype=pv_dtype, smooth_k=smooth_k, smooth_q=smooth_q)
+    implementation = backends.implementation_arg(implementation)
     quantizable = (
         attn_mask is None and dropout_p == 0.0 and query.dim() == key.dim() == value.dim() == 4
         and query.dtype in INPUT_DTYPES and key.dtype == value.dtype == query.dtype
@@ -375,7 +435,7 @@ def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         and (query.shape[1] == key.shape[1] or (enable_gqa and query.shape[1] % key.shape[1] == 0))
         and (not is_causal or query.shape[2] == key.shape[2])
     )
-    if not quantizable:
+    if not (quantizing_pays(query, force_quantized) and quantizable):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     sm_scale = query.shape[3] ** -0.5 if scale is None else scale
@@ -383,6 +443,8 @@ def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
     if not _is_real(sm_scale):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__} {scale!r}")
-    check_inputs(query, key, value, causal=is_causal, sm_scale=sm_scale, granularity="per_block", pv_dtype="fp16",
-                 smooth_k=True, cu_seqlens_q=None, cu_seqlens_k=None, names=("query", "key", "value"))
-    return quantized_attention_op(query, key, value, float(sm_scale), is_causal)[0]
+    check_inputs(query, key, value, causal=is_causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
+                 smooth_k=smooth_k, cu_seqlens_q=None, cu_seqlens_k=None, smooth_q=smooth_q,
+                 names=("query", "key", "value"))
+    return quantized_attention_op(query, key, value, float(sm_scale), is_causal, granularity, pv_dtype, smooth_k,
+                                  None, None, implementation, smooth_q)[0]

@@ -9,7 +9,8 @@ The kernel contract every backend follows (inputs already checked and contiguous
   ``q_mean`` float32 ``[S, Hq, D]`` and ``key_bias`` float32 ``[B, Hq, Nk]`` come from
   :func:`smoothing`, computed once by the op so that every backend smooths with the same numbers;
   each is None when its smoothing is off (``q_mean`` and ``key_bias`` together).
-  ``cu_seqlens_*`` are int64 ``[S + 1]`` with ``B = 1``, or None (then ``S = B``).
+  ``cu_seqlens_*`` are int64 ``[S + 1]`` with ``B = 1``, or None (then ``S = B``). With
+  ``pv_dtype="fp16"``, ``v`` is within float16's range (the op divides it by :func:`value_scale`).
 - ``quantized_attention_backward(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_seqlens_q,
   cu_seqlens_k) -> (dq, dk, dv)``: the gradient of exact attention (see :func:`attention_backward`).
 
@@ -56,8 +57,11 @@ bit for bit (P.V and the softmax agree to rounding, not bitwise):
    (-inf for a row that sees no key).
 7. ``P V`` per tile, accumulated into the float32 ``acc`` (``pv_dtype``):
    ``"fp16"``: P and V rounded to float16, products summed in float32 (a kernel whose MMA
-   accumulates a tile in float16 before flushing it matches to rounding; V beyond float16's
-   range, possible with bfloat16 inputs, overflows);
+   accumulates a tile in float16 before flushing it matches to rounding). V beyond float16's
+   range (bfloat16 and float32 inputs) would round to inf and make its rows NaN, so the op
+   divides V by :func:`value_scale` first, a power of two per (sequence, kv head, channel)
+   that is 1 wherever V already fits, and multiplies the output back: exact, and bit for bit
+   the unscaled result for V within range; kernels receive V within float16's range;
    ``"fp8"``: V quantized per channel, ``v_scale[s, h, d] = amax_j |v| / 448`` (1 where 0),
    ``v8 = e4m3fn(clamp(v / v_scale, +-448))``; P enters the FP8 MMA as ``e4m3fn(448 p)``, and
    ``out = acc / l * (v_scale / 448)``; ``l`` sums the float32 ``p``;
@@ -87,6 +91,7 @@ GRANULARITIES = ("per_block", "per_warp", "per_thread")
 PV_DTYPES = ("fp16", "fp8", "none")
 INT8_MAX = 127
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP16_MAX = 65504.0  # largest finite float16
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -197,6 +202,39 @@ def quantize_values_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = v.float().abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (v.float() / scale[:, None, :]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def value_scale(v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[S, H, D]``: for ``pv_dtype="fp16"``, per sequence, head and channel of ``v
+    [B, H, N, D]`` the least power of two ``2^e`` (``e >= 0``) with ``max |v| / 2^e <= 65504``;
+    1 where V fits float16 already, or where the max is inf or NaN (those stay as they are).
+    No host sync: the packed sequences' maxima by a scatter reduction."""
+    batch, heads, n, d = v.shape
+    if cu_seqlens is None:
+        amax = v.abs().amax(dim=2).float() if n else v.new_zeros(batch, heads, d, dtype=torch.float32)
+    else:
+        index = token_sequence(cu_seqlens, n)[:, None, None].expand(n, heads, d)
+        amax = v.new_zeros(cu_seqlens.shape[0] - 1, heads, d, dtype=torch.float32).scatter_reduce_(
+            0, index, v[0].abs().float().transpose(0, 1), "amax")
+    # amax = mantissa 2^exponent, mantissa in [0.5, 1): amax / 2^(exponent - 16) = mantissa 2^16 is
+    # in [32768, 65536), within range unless above 65504
+    mantissa, exponent = torch.frexp(amax)
+    exponent = exponent - 16 + (mantissa * 65536.0 > FP16_MAX).to(exponent.dtype)
+    beyond = (amax > FP16_MAX) & amax.isfinite()
+    return torch.where(beyond, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax))
+
+
+def token_sequence(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n]``: the sequence each of ``n`` packed tokens belongs to (empty sequences own none)."""
+    tokens = torch.arange(n, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+
+
+def per_token(x: torch.Tensor, cu_seqlens: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x [S, H, D]`` per sequence as ``[B, H, n, D]``-broadcastable per token."""
+    if cu_seqlens is None:
+        return x[:, :, None, :]
+    return x[token_sequence(cu_seqlens, n)].transpose(0, 1)[None]
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
