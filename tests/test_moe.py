@@ -239,6 +239,23 @@ def test_grouped_mm_gradients(backend):
         assert relative_rmse(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mm_empty_products(backend):
+    """N = 0 gives [M, 0], K = 0 zeros, no experts and no rows [0, N]: the same on every backend,
+    gradients included (no expert for M > 0 rows is a bad input, in tests/bad_inputs.py)."""
+    require_backend(backend)
+    offsets = torch.tensor([2, 2, 7, 9], dtype=torch.int32)
+    cases = {"N 0": (torch.randn(10, 16), torch.randn(4, 16, 0), offsets),
+             "K 0": (torch.randn(10, 0), torch.randn(4, 0, 8), offsets),
+             "no experts, no rows": (torch.randn(0, 16), torch.randn(0, 16, 8), offsets[:0])}
+    for name, (x, w, offs) in cases.items():
+        x, w = x.requires_grad_(), w.requires_grad_()
+        out = torch_kernels.grouped_mm(x, w, offs, implementation=backend)
+        assert out.shape == (x.shape[0], w.shape[2]) and out.dtype == x.dtype and not out.any(), name
+        d_x, d_w = torch.autograd.grad(out, [x, w], torch.ones_like(out))
+        assert d_x.shape == x.shape and d_w.shape == w.shape and not d_x.any() and not d_w.any(), name
+
+
 # ---- fused_moe ----
 
 def fused_definition(x, w13, w2, weights, ids, activation="silu", w13_scale=None, w2_scale=None, block_shape=None):
