@@ -286,6 +286,30 @@ def test_fused_moe_half_precision(backend, kind, dtype):
     assert_close(out, fused_definition(x, w13, w2, weights, ids).float(), dtype, what=kind)
 
 
+def test_reference_fused_moe_keeps_16_bit_weights_in_their_dtype():
+    """Decode reads each expert's weights once: the reference kernel converts none of them to
+    float32 (that took longer than the GEMMs: issue 22), and its GEMMs stay float32-accurate."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w13, w2, weights, ids = make_layer(tokens=3, hidden=64, inter=32, experts=4, k=2, dtype=torch.bfloat16, seed=12)
+    converted = []  # sizes of the tensors converted to another dtype
+
+    class Conversions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and out.dtype != source.dtype:
+                converted.append(source.numel())
+            return out
+
+    token_of_row, row_of_slot, offsets = reference.sort_by_expert(ids, w13.shape[0])
+    with Conversions():
+        out = reference.fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets.long(), "silu", None, None,
+                                  None)
+    assert converted and max(converted) < w2[0].numel(), f"weight-sized tensors converted: {converted}"
+    assert_close(out, fused_definition(x, w13, w2, weights, ids).float(), torch.bfloat16)
+
+
 def quantize_fp8(w: torch.Tensor, block_shape=None):
     """float8_e4m3fn entries and float32 scales (per output channel, or per block), amax / 448."""
     largest = torch.finfo(torch.float8_e4m3fn).max
