@@ -554,6 +554,8 @@ MOE = [  # (op, case, argument, error, change)
     ("grouped_mm", "offsets decreasing", "offsets", ValueError, _index("offsets", 2, 1)),
     ("grouped_mm", "offsets past the rows", "offsets", ValueError, _index("offsets", 3, 11)),
     ("grouped_mm", "out_dtype int", "out_dtype", TypeError, _set("out_dtype", torch.int32)),
+    ("grouped_mm", "no experts for the rows", "w", ValueError,
+     lambda kw: kw.update(w=kw["w"][:0], offsets=kw["offsets"][:0])),
     ("fused_moe", "x hidden size", "w13", ValueError, _map("x", lambda t: t[:, :15])),
     ("fused_moe", "w13 odd 2I", "w13", ValueError, _map("w13", lambda t: t[:, :15])),
     ("fused_moe", "w2 shape", "w2", ValueError, _map("w2", lambda t: t[:, :, :4])),

@@ -335,6 +335,7 @@ grouped_mm: offsets per expert -> ValueError: offsets: expected size 4 in dimens
 grouped_mm: offsets decreasing -> ValueError: offsets: expected non-decreasing cumulative row ends, got 1 after 2
 grouped_mm: offsets past the rows -> ValueError: offsets: expected to end at most at the 10 rows of x, got 11
 grouped_mm: out_dtype int -> TypeError: out_dtype: expected None or a float dtype, got torch.int32
+grouped_mm: no experts for the rows -> ValueError: w: expected at least one expert for the 10 rows of x (offsets assign rows to experts), got shape (0, 16, 8)
 fused_moe: x hidden size -> ValueError: w13: expected size 15 in dimension 2 (hidden size H of x), got 16
 fused_moe: w13 odd 2I -> ValueError: w13: expected an even, non-zero size 2I in dimension 1 (gate and up), got 15
 fused_moe: w2 shape -> ValueError: w2: expected shape (4, 16, 8) (E, H, I of w13), got (4, 16, 4)

@@ -277,3 +277,87 @@ def test_options_need_a_group():
     x, ids = torch.randn(4, H), torch.zeros(4, K, dtype=torch.int32)
     with pytest.raises(ValueError, match="max_tokens_per_rank, dispatch_dtype: expected None without a group"):
         torch_kernels.moe_dispatch(x, ids, E, max_tokens_per_rank=4)
+
+
+def mismatched_calls(rank, world):
+    """Calls whose arguments differ between the ranks (rank 1 passes the odd one), in sequence on
+    one group: every rank must raise a ValueError naming the argument, none die or wait, and the
+    group must still work afterwards (issue 22: gloo aborted the process on mismatched sizes)."""
+    group = dist.group.WORLD
+    odd = rank == 1
+
+    def inputs(tokens=4, hidden=H, dtype=torch.float32, k=K, experts=E):
+        ids = torch.stack([torch.zeros(tokens, dtype=torch.int32), torch.full((tokens,), 3, dtype=torch.int32)], 1)
+        return torch.randn(tokens, hidden).to(dtype), ids[:, :k] % experts
+
+    def dispatch(x_ids, **kwargs):
+        return torch_kernels.moe_dispatch(*x_ids, kwargs.pop("num_experts", E), group=group, **kwargs)
+
+    def combine(widen=False, dtype=None):
+        rows, _, handle = dispatch(inputs())
+        y = torch.cat([rows, rows], 1) if widen else rows.to(dtype or rows.dtype)
+        return torch_kernels.moe_combine(y, handle, torch.ones(4, K))
+
+    fixed = {"max_tokens_per_rank": 16}
+    x_ok, ids_ok = inputs()
+    calls = {
+        "hidden size": lambda: dispatch(inputs(hidden=H + 8 if odd else H)),
+        "dtype": lambda: dispatch(inputs(dtype=torch.bfloat16 if odd else torch.float32)),
+        "num_experts": lambda: dispatch(inputs(experts=4), num_experts=4 if odd else E),
+        "max_tokens_per_rank": lambda: dispatch(inputs(), max_tokens_per_rank=8 if odd else 16),
+        "max_tokens_per_rank on one rank": lambda: dispatch(inputs(), max_tokens_per_rank=16 if odd else None),
+        "top_k in fixed capacity": lambda: dispatch(inputs(k=1 if odd else K), **fixed),
+        "dispatch_dtype": lambda: dispatch(inputs(), dispatch_dtype=torch.float8_e4m3fn if odd else None),
+        "expert_ranks": lambda: exchange.moe_dispatch(*inputs(), E, group, expert_ranks=[0] if odd else None),
+        "tokens over capacity on one rank": lambda: dispatch(inputs(tokens=20 if odd else 4), **fixed),
+        "expert ids out of range on one rank": lambda: dispatch((x_ok, ids_ok + E * odd)),
+        "combine width": lambda: combine(widen=odd),
+        "combine dtype": lambda: combine(dtype=torch.bfloat16 if odd else None),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = "no error"
+    # still in step: a round trip (k may differ across ranks in exact mode)
+    x, ids = inputs(k=1 if odd else K)
+    rows, _, handle = dispatch((x, ids))
+    out = torch_kernels.moe_combine(rows, handle, torch.ones(ids.shape))
+    messages["round trip"] = torch.equal(out, x * ids.shape[1])
+    return messages
+
+
+def test_arguments_differing_between_ranks_fail_every_rank_clearly():
+    got = run_local(mismatched_calls, 2, timeout=30)
+    expected = {
+        "hidden size": "x: expected the same hidden size (x.shape[1]) on every rank of the group, got 24 on rank 0 "
+                       "and 32 on rank 1",
+        "dtype": "x: expected the same dtype on every rank of the group, got torch.float32 on rank 0 and "
+                 "torch.bfloat16 on rank 1",
+        "num_experts": "num_experts: expected the same number of experts on every rank of the group, got 8 on rank 0 "
+                       "and 4 on rank 1",
+        "max_tokens_per_rank": "max_tokens_per_rank: expected the same max_tokens_per_rank on every rank of the "
+                               "group, got 16 on rank 0 and 8 on rank 1",
+        "max_tokens_per_rank on one rank": "max_tokens_per_rank: expected the same max_tokens_per_rank on every rank "
+                                           "of the group, got None on rank 0 and 16 on rank 1",
+        "top_k in fixed capacity": "topk_ids: expected the same experts per token (topk_ids.shape[1]) in "
+                                   "fixed-capacity mode on every rank of the group, got 2 on rank 0 and 1 on rank 1",
+        "dispatch_dtype": "dispatch_dtype: expected the same dispatch dtype on every rank of the group, got None "
+                          "(x's dtype) on rank 0 and torch.float8_e4m3fn on rank 1",
+        "expert_ranks": "expert_ranks, token_ranks: expected the same expert and token ranks on every rank of the "
+                        "group, got expert_ranks ",
+        "tokens over capacity on one rank": "x: expected at most max_tokens_per_rank=16 tokens on every rank (the "
+                                            "capacity every rank's buffers are sized for), got 20 on rank 1",
+        "expert ids out of range on one rank": "topk_ids: expected expert ids in [0, 8) or -1 (dropped)",
+        "combine width": "y: expected the same width (y.shape[1]) on every rank of the group, got 24 on rank 0 and "
+                         "48 on rank 1",
+        "combine dtype": "y: expected the same dtype on every rank of the group, got torch.float32 on rank 0 and "
+                         "torch.bfloat16 on rank 1",
+    }
+    for rank in range(2):
+        for name, start in expected.items():
+            assert got[rank][name].startswith(start), (rank, name, got[rank][name])
+        assert got[rank]["round trip"] is True, rank

@@ -363,6 +363,23 @@ def test_grouped_mm_gradients(backend):
         assert relative_rmse(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mm_empty_products(backend):
+    """N = 0 gives [M, 0], K = 0 zeros, no experts and no rows [0, N]: the same on every backend,
+    gradients included (no expert for M > 0 rows is a bad input, in tests/bad_inputs.py)."""
+    require_backend(backend)
+    offsets = torch.tensor([2, 2, 7, 9], dtype=torch.int32)
+    cases = {"N 0": (torch.randn(10, 16), torch.randn(4, 16, 0), offsets),
+             "K 0": (torch.randn(10, 0), torch.randn(4, 0, 8), offsets),
+             "no experts, no rows": (torch.randn(0, 16), torch.randn(0, 16, 8), offsets[:0])}
+    for name, (x, w, offs) in cases.items():
+        x, w = x.requires_grad_(), w.requires_grad_()
+        out = torch_kernels.grouped_mm(x, w, offs, implementation=backend)
+        assert out.shape == (x.shape[0], w.shape[2]) and out.dtype == x.dtype and not out.any(), name
+        d_x, d_w = torch.autograd.grad(out, [x, w], torch.ones_like(out))
+        assert d_x.shape == x.shape and d_w.shape == w.shape and not d_x.any() and not d_w.any(), name
+
+
 # ---- fused_moe ----
 
 def fused_definition(x, w13, w2, weights, ids, activation="silu", w13_scale=None, w2_scale=None, block_shape=None):
@@ -391,6 +408,30 @@ def test_fused_moe_half_precision(backend, kind, dtype):
     out = torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=backend)
     assert out.dtype == dtype
     assert_close(out, fused_definition(x, w13, w2, weights, ids).float(), dtype, what=kind)
+
+
+def test_reference_fused_moe_keeps_16_bit_weights_in_their_dtype():
+    """Decode reads each expert's weights once: the reference kernel converts none of them to
+    float32 (that took longer than the GEMMs: issue 22), and its GEMMs stay float32-accurate."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w13, w2, weights, ids = make_layer(tokens=3, hidden=64, inter=32, experts=4, k=2, dtype=torch.bfloat16, seed=12)
+    converted = []  # sizes of the tensors converted to another dtype
+
+    class Conversions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and out.dtype != source.dtype:
+                converted.append(source.numel())
+            return out
+
+    token_of_row, row_of_slot, offsets = reference.sort_by_expert(ids, w13.shape[0])
+    with Conversions():
+        out = reference.fused_moe(x, w13, w2, weights, token_of_row, row_of_slot, offsets.long(), "silu", None, None,
+                                  None)
+    assert converted and max(converted) < w2[0].numel(), f"weight-sized tensors converted: {converted}"
+    assert_close(out, fused_definition(x, w13, w2, weights, ids).float(), torch.bfloat16)
 
 
 def quantize_fp8(w: torch.Tensor, block_shape=None):

@@ -409,16 +409,18 @@ class AttentionRunner:
             else:
                 rows, topk_weights, topk_ids = self._attention_half(layer, mb, i, index, step, route=True)
             with self._log.span(f"dispatch s{step} L{index} mb{i}"):
+                # agreed: the step header made every rank agree on the model and the capacity
                 dispatches.append(exchange.start_dispatch(
                     rows, topk_ids, config.num_experts, layout.group, expert_ranks=layout.ffn_ranks,
-                    token_ranks=layout.attention_ranks, max_tokens_per_rank=header.max_tokens_per_rank))
+                    token_ranks=layout.attention_ranks, max_tokens_per_rank=header.max_tokens_per_rank,
+                    agreed=True))
             weights.append(topk_weights)
         with self._log.span(f"wait s{step} L{index} dispatch"):
             handles = [pending.wait()[2] for pending in dispatches]
         with self._log.span(f"combine s{step} L{index}"):
             nothing = torch.empty(0, hidden, dtype=self._dtype, device=self._device)  # attention ranks hold no experts
             for mb, handle, topk_weights in zip(self._batch, handles, weights):
-                mb.pending = exchange.start_combine(nothing, handle, topk_weights)
+                mb.pending = exchange.start_combine(nothing, handle, topk_weights, agreed=True)
 
 
 class FFNServer:
@@ -473,16 +475,18 @@ class FFNServer:
 
         def issue(i):
             with self._log.span(f"dispatch s{step} L{index} mb{i}"):
+                # agreed (the step header): posting in fixed-capacity mode never waits on the host
                 dispatches.append(exchange.start_dispatch(
                     x, topk_ids, self._num_experts, layout.group, expert_ranks=layout.ffn_ranks,
-                    token_ranks=layout.attention_ranks, max_tokens_per_rank=header.max_tokens_per_rank))
+                    token_ranks=layout.attention_ranks, max_tokens_per_rank=header.max_tokens_per_rank,
+                    agreed=True))
 
         def post_ready():
             # A combine may follow only the layer's last dispatch (the order every rank keeps).
             if len(dispatches) == m:
                 for i, y, handle in ready:
                     with self._log.span(f"combine s{step} L{index} mb{i}"):
-                        combines.append(exchange.start_combine(y, handle, no_weights))
+                        combines.append(exchange.start_combine(y, handle, no_weights, agreed=True))
                 ready.clear()
 
         if header.max_tokens_per_rank is not None:  # fixed capacity: posting never waits on the host

@@ -5,9 +5,13 @@ the experts, split contiguously (expert ``e`` lives on ``expert_ranks[e // (E / 
 parallelism is every rank playing both; attention-FFN disaggregation is attention ranks holding
 tokens and FFN ranks holding experts. Both run on this one mechanism:
 
-1. each token rank sorts its token copies by expert (``sort_by_expert``, as on one device), so the
-   rows for each destination rank are contiguous;
-2. ``all_to_all_single`` sends the per-expert counts, then the rows;
+1. every rank sends every rank a small header: the arguments all ranks must agree on (hidden size,
+   dtype, ``num_experts``, ``max_tokens_per_rank``, ...) and how many rows it routes there, so a
+   rank whose arguments differ makes every rank raise the same ``ValueError`` instead of sending
+   buffers of sizes its peers do not expect (which gloo answers by aborting the process);
+2. each token rank sorts its token copies by expert (``sort_by_expert``, as on one device), so the
+   rows for each destination rank are contiguous, and ``all_to_all_single`` sends the per-expert
+   counts and the rows;
 3. each expert rank reorders what it received by local expert (sources in rank order, tokens in
    order within a source) and returns it with local ``offsets``, as ``moe_dispatch`` does;
 4. combine runs the same exchange backwards and reduces each token's rows with the single-device
@@ -19,11 +23,14 @@ exchange and the reverse. Collectives are PyTorch's functional ones: they are is
 waited for when their result is used (``PendingDispatch.wait``), so a caller can compute while
 rows travel, and they trace under ``torch.compile``.
 
-Exact mode learns the split sizes from the counts (one host sync). Fixed-capacity mode
+Exact mode learns the split sizes from the header (one host sync). Fixed-capacity mode
 (``max_tokens_per_rank``) sends each expert rank a buffer of ``max_tokens_per_rank * k`` rows, the
-most a rank can route to it, so the exchange never waits on the host and nothing can overflow.
-(In eager mode both check the expert ids with one local host sync before anything is sent; under
-``torch.compile`` and while a CUDA graph is captured that check is left out.)
+most a rank can route to it, so nothing can overflow; in eager mode it still waits for the header
+(one small round trip, the only host sync), under ``torch.compile``, while a CUDA graph is
+captured, or with ``agreed=True`` (a caller that made the ranks agree already) it sends no header
+and never waits on the host. A combine sends a header of ``y``'s width and dtype the same way.
+The header also carries whether each rank's expert ids are in range and, in fixed-capacity mode,
+its token count, so a rank with bad ids or too many tokens fails every rank, none left waiting.
 """
 
 from __future__ import annotations
@@ -144,6 +151,57 @@ def _waited(tensor: torch.Tensor, what: str, layout: Layout) -> torch.Tensor:
         return funcol.wait_tensor(tensor)
     except (RuntimeError, dist.DistBackendError) as error:
         raise _failed(what, layout, error) from error
+
+
+# ---- the header: what every rank must agree on, checked before any buffer is sized ----
+
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    """One value every rank of the group must pass alike: ``argument`` names it in the error."""
+
+    argument: str
+    what: str
+    value: int
+    show: object = str  # int -> the text an error shows; None: show this rank's ``detail`` instead
+    detail: str = ""
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return moe_ops.FLOAT_DTYPES.index(dtype)
+
+
+def _show_dtype(code: int) -> str:
+    return str(moe_ops.FLOAT_DTYPES[code])
+
+
+def _disagreement(item: _Agreed, column: list[int], rank: int) -> str:
+    first_rank = {}
+    for r, value in enumerate(column):
+        first_rank.setdefault(value, r)
+    if item.show is None:
+        other = next(r for r, value in enumerate(column) if value != column[rank])
+        got = f"{item.detail} on rank {rank} and others on rank {other}"
+    else:
+        got = " and ".join(f"{item.show(value)} on rank {r}" for value, r in first_rank.items())
+    return f"{item.argument}: expected the same {item.what} on every rank of the group, got {got}"
+
+
+def _exchange_header(layout: Layout, agreed: list[_Agreed], what: str, device, data=None) -> list[list[int]]:
+    """Every rank's header, read on the host (one small all-to-all, one sync): row ``s`` is what
+    rank ``s`` sent this rank, the ``agreed`` values then its ``data`` (int64 ``[world, C]``, row
+    ``r`` for rank ``r``). Raises the same ``ValueError`` on every rank, naming the argument, for
+    the first ``agreed`` value on which the ranks differ."""
+    values = torch.tensor([item.value for item in agreed], dtype=torch.int64, device=device)
+    sent = values.expand(layout.world, -1)
+    if data is not None:
+        sent = torch.cat([sent, data], dim=1)
+    received = funcol.all_to_all_single(sent.reshape(-1).contiguous(), None, None, layout.group)
+    table = _waited(received, what, layout).view(layout.world, -1).tolist()
+    for i, item in enumerate(agreed):
+        column = [row[i] for row in table]
+        if len(set(column)) > 1:
+            raise ValueError(_disagreement(item, column, layout.rank))
+    return [row[len(agreed):] for row in table]
 
 
 # ---- fp8 rows on the wire ----
@@ -281,26 +339,87 @@ def _check_dispatch(x, topk_ids, layout: Layout, max_tokens_per_rank, dispatch_d
             raise TypeError(f"max_tokens_per_rank: expected None or an int, got {type(max_tokens_per_rank).__name__}")
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
-        if x.shape[0] > max_tokens_per_rank:
-            raise ValueError(f"x: expected at most max_tokens_per_rank={max_tokens_per_rank} tokens (the capacity "
-                             f"every rank's buffers are sized for), got {x.shape[0]}")
     if dispatch_dtype not in (None, FP8, x.dtype):
         raise TypeError(f"dispatch_dtype: expected None, x's dtype or torch.float8_e4m3fn, got {dispatch_dtype}")
 
 
+def _no_readback(t: torch.Tensor) -> bool:
+    """Under ``torch.compile`` or while a CUDA graph is captured: nothing may be read back."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _over_capacity(max_tokens_per_rank: int, tokens: int, rank: int) -> ValueError:
+    return ValueError(f"x: expected at most max_tokens_per_rank={max_tokens_per_rank} tokens on every rank (the "
+                      f"capacity every rank's buffers are sized for), got {tokens} on rank {rank}")
+
+
+def _rows_to_ranks(topk_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """int64 ``[world]``: the copies this rank routes to each rank (ids out of range left out)."""
+    ids = topk_ids.reshape(-1).long()
+    expert_ranks = len(layout.expert_ranks)
+    owner = torch.where((ids >= 0) & (ids < layout.num_experts), ids // layout.experts_per_rank, expert_ranks)
+    per_owner = torch.zeros(expert_ranks + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, owner, torch.ones_like(owner))[:expert_ranks]
+    return torch.zeros(layout.world, dtype=torch.int64, device=ids.device).index_copy_(
+        0, torch.tensor(layout.expert_ranks, device=ids.device), per_owner)
+
+
+def _agree_on_dispatch(x, topk_ids, layout: Layout, max_tokens_per_rank, dispatch_dtype) -> tuple[list, list]:
+    """The dispatch's header (:func:`_exchange_header`): raises on every rank when the arguments differ
+    across ranks, or any rank's ids are out of range or its tokens over capacity; else returns
+    ``(send_splits, recv_splits)``, the rows this rank sends each rank and receives from each."""
+    fixed = max_tokens_per_rank is not None
+    agreed = [
+        _Agreed("num_experts", "number of experts", layout.num_experts),
+        _Agreed("expert_ranks, token_ranks", "expert and token ranks", hash((layout.expert_ranks, layout.token_ranks)),
+               show=None, detail=f"expert_ranks {list(layout.expert_ranks)}, token_ranks {list(layout.token_ranks)}"),
+        _Agreed("x", "hidden size (x.shape[1])", x.shape[1]),
+        _Agreed("x", "dtype", _dtype_code(x.dtype), show=_show_dtype),
+        _Agreed("max_tokens_per_rank", "max_tokens_per_rank", max_tokens_per_rank if fixed else -1,
+               show=lambda v: "None" if v < 0 else str(v)),
+        # k sizes the fixed-capacity buffers (max_tokens_per_rank * k rows); exact mode lets it differ
+        _Agreed("topk_ids", "experts per token (topk_ids.shape[1]) in fixed-capacity mode",
+               topk_ids.shape[1] if fixed else -1),
+        _Agreed("dispatch_dtype", "dispatch dtype", int(dispatch_dtype == FP8),
+               show=lambda v: "torch.float8_e4m3fn" if v else "None (x's dtype)"),
+    ]
+    bad_ids = ((topk_ids < -1) | (topk_ids >= layout.num_experts)).any()
+    sends = _rows_to_ranks(topk_ids, layout)
+    per_rank = torch.stack([torch.full_like(sends, x.shape[0]), bad_ids.long().expand(layout.world), sends], dim=1)
+    table = _exchange_header(layout, agreed, "moe_dispatch", x.device, per_rank)
+    tokens, bad, recv_splits = ([row[i] for row in table] for i in range(3))
+    if fixed:
+        for rank, t in enumerate(tokens):
+            if t > max_tokens_per_rank:
+                raise _over_capacity(max_tokens_per_rank, t, rank)
+    if bad[layout.rank]:
+        moe_ops.check_ids_range(topk_ids, layout.num_experts)  # raises, with this rank's first bad id
+    if any(bad):
+        raise ValueError(f"topk_ids: expected expert ids in [0, {layout.num_experts}) or -1 (dropped) on every rank, "
+                         f"got others on rank {bad.index(1)}")
+    return sends.tolist(), recv_splits
+
+
 def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None,
-                   max_tokens_per_rank=None, dispatch_dtype=None, implementation=None) -> PendingDispatch:
+                   max_tokens_per_rank=None, dispatch_dtype=None, implementation=None,
+                   agreed: bool = False) -> PendingDispatch:
     """Issue an expert-parallel dispatch; see :func:`moe_dispatch` for the arguments.
 
-    Returns at once in fixed-capacity mode; exact mode first waits for the counts (the split sizes
-    must be known on the host before the rows can be sent)."""
+    Waits for the header (module docstring) first, except in fixed-capacity mode under
+    ``torch.compile``, while a CUDA graph is captured, or with ``agreed=True``: the caller has made
+    every rank agree on the arguments and the token counts already (as the disaggregated runner's
+    step header does), and the dispatch returns at once, never waiting on the host."""
     layout = make_layout(group, num_experts, expert_ranks, token_ranks)
     _check_dispatch(x, topk_ids, layout, max_tokens_per_rank, dispatch_dtype)
     _checks.same_device(x=x, topk_ids=topk_ids)
     implementation = backends.implementation_arg(implementation)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph cannot read back
-    if not torch.compiler.is_compiling() and not capturing:
-        moe_ops.check_ids_range(topk_ids, num_experts)
+    if max_tokens_per_rank is not None and (agreed or _no_readback(x)):
+        if x.shape[0] > max_tokens_per_rank:
+            raise _over_capacity(max_tokens_per_rank, x.shape[0], layout.rank)
+        if not _no_readback(x):
+            moe_ops.check_ids_range(topk_ids, num_experts)
+    else:
+        send_splits, recv_splits = _agree_on_dispatch(x, topk_ids, layout, max_tokens_per_rank, dispatch_dtype)
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
     local = moe_ops.MoEHandle(token_of_row, row_of_slot, int(num_experts))
     x_sorted = moe_ops.moe_gather_op(x, token_of_row, row_of_slot, implementation)
@@ -308,9 +427,6 @@ def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_
     recv_counts = funcol.all_to_all_single(send_counts.view(-1), None, None, group)
     rows = x_sorted.shape[0]
     if max_tokens_per_rank is None:
-        splits = torch.stack([send_counts.sum(1), _waited(recv_counts, "moe_dispatch", layout).view(
-            layout.world, -1).sum(1)]).tolist()
-        send_splits, recv_splits = splits
         send_pos = torch.arange(rows, device=x.device).clamp_(max=sum(send_splits))
     else:
         capacity = max_tokens_per_rank * topk_ids.shape[1]
@@ -349,8 +465,9 @@ def moe_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ra
         num_experts: ``E``, a multiple of the number of expert ranks ``N``.
         group: the ``torch.distributed`` process group; every rank of it must call this.
         expert_ranks, token_ranks: group ranks holding experts and tokens (default: all of them).
-        max_tokens_per_rank: fixed-capacity mode (no host sync, traceable by ``torch.compile``):
-            the most tokens any rank passes; every rank must pass the same value.
+        max_tokens_per_rank: fixed-capacity mode (traceable by ``torch.compile``, and no host sync
+            there or in a CUDA graph; in eager mode one, for the header): the most tokens any rank
+            passes; every rank must pass the same value.
         dispatch_dtype: ``torch.float8_e4m3fn`` sends the rows as float8 with a float32 scale per
             128 columns (about half the bytes of bfloat16); received rows come back in x's dtype.
 
@@ -360,6 +477,11 @@ def moe_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ra
         :func:`~torch_kernels.grouped_mm` takes them; in fixed-capacity mode ``n`` is the receive
         buffer's size and rows past ``offsets[-1]`` are zero. ``offsets`` is empty on a rank
         without experts. Differentiable in ``x`` (the backward is a combine-direction exchange).
+
+    Arguments that size the exchange (``x``'s hidden size and dtype, ``num_experts``,
+    ``expert_ranks``, ``token_ranks``, ``max_tokens_per_rank``, ``dispatch_dtype``, and ``k`` in
+    fixed-capacity mode) must be the same on every rank: where they differ, every rank raises a
+    ``ValueError`` naming the argument (in eager mode; see the module docstring).
     """
     return start_dispatch(x, topk_ids, num_experts, group, expert_ranks=expert_ranks, token_ranks=token_ranks,
                           max_tokens_per_rank=max_tokens_per_rank, dispatch_dtype=dispatch_dtype,
@@ -381,8 +503,12 @@ class PendingCombine:
                                       handle.implementation)
 
 
-def start_combine(y, handle: EPHandle, topk_weights) -> PendingCombine:
-    """Issue the return of expert outputs; see :func:`moe_combine`."""
+def start_combine(y, handle: EPHandle, topk_weights, *, agreed: bool = False) -> PendingCombine:
+    """Issue the return of expert outputs; see :func:`moe_combine`.
+
+    First exchanges a header of ``y``'s width and dtype (one small round trip): a rank whose ``y``
+    differs makes every rank raise the same ``ValueError``. Left out under ``torch.compile``, while
+    a CUDA graph is captured, and with ``agreed=True`` (the caller made the ranks agree on them)."""
     _checks.tensor("y", y, ndim=2, dtypes=moe_ops.FLOAT_DTYPES)
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle: expected the EPHandle of a moe_dispatch with a group, got {type(handle).__name__}")
@@ -391,6 +517,10 @@ def start_combine(y, handle: EPHandle, topk_weights) -> PendingCombine:
     if tuple(topk_weights.shape) != tuple(handle.local.row_of_slot.shape):
         raise ValueError(f"topk_weights: expected shape {tuple(handle.local.row_of_slot.shape)} (T, k of the "
                          f"dispatch), got {tuple(topk_weights.shape)}")
+    if not (agreed or _no_readback(y)):
+        _exchange_header(handle.layout, [_Agreed("y", "width (y.shape[1])", y.shape[1]),
+                                        _Agreed("y", "dtype", _dtype_code(y.dtype), show=_show_dtype)],
+                        "moe_combine", y.device)
     back = handle.route.reverse()
     returned = _all_to_all(_place(y, back.send_pos, sum(back.send_splits)), back.send_splits, back.recv_splits,
                            handle.layout.group)

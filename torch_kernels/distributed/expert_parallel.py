@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .exchange import FP8, expert_forward, moe_combine, moe_dispatch
+from .exchange import FP8, expert_forward, moe_dispatch, start_combine
 
 NAME = "torch_kernels_ep"
 SHARD_ATTRIBUTE = "expert_parallel"  # the ExpertShard an experts module carries once sharded
@@ -70,7 +70,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                                          max_tokens_per_rank=shard.max_tokens_per_rank,
                                          dispatch_dtype=shard.dispatch_dtype)
     out = expert_forward(rows, offsets, module.gate_up_proj, module.down_proj, shard.activation)
-    return moe_combine(out, handle, top_k_weights).to(hidden_states.dtype)
+    # agreed: out has the width and dtype of the dispatched rows, which the dispatch made every rank agree on
+    return start_combine(out, handle, top_k_weights, agreed=True).wait().to(hidden_states.dtype)
 
 
 def register() -> None:
@@ -117,7 +118,8 @@ class ExpertParallel:
 
     Args:
         group: the ranks that split the experts; each runs its own batch through the whole model.
-        max_tokens_per_rank: fixed-capacity exchange (no host sync per layer): the most tokens
+        max_tokens_per_rank: fixed-capacity exchange (eager: one small header round trip per
+            layer, which checks that the ranks agree; compiled: no host sync): the most tokens
             (batch x sequence) any rank passes to one forward; the same on every rank.
         dispatch_dtype: ``torch.float8_e4m3fn`` sends the rows to the experts as float8 with block
             scales; None sends them in the model's dtype.

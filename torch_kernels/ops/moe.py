@@ -398,6 +398,9 @@ def _check_grouped(x, w, offsets, out_dtype) -> None:
     _checks.size("w", 1, w.shape[1], x.shape[1], "K of x")
     _checks.tensor("offsets", offsets, ndim=1, dtypes=(torch.int32,))
     _checks.size("offsets", 0, offsets.shape[0], w.shape[0], "experts E of w")
+    if w.shape[0] == 0 and x.shape[0]:
+        raise ValueError(f"w: expected at least one expert for the {x.shape[0]} rows of x (offsets assign rows to "
+                         f"experts), got shape {tuple(w.shape)}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype: expected None or a float dtype, got {out_dtype}")
     _checks.same_device(x=x, w=w, offsets=offsets)
@@ -429,6 +432,8 @@ def _weight_layout(w):
 def _grouped_kernel(x, w, offsets, out_dtype=None, implementation=None):
     _check_grouped(x, w, offsets, out_dtype)
     check_offsets(offsets, x.shape[0])
+    if not x.shape[1] or not w.shape[2]:  # nothing to multiply: the same zeros on every backend
+        return x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
     tensor, transposed = _weight_layout(w)
     return backends.dispatch(GROUPED_MM, _device_type(x), implementation, x.contiguous(), tensor,
                              offsets.long().contiguous(), out_dtype or x.dtype, transposed)
@@ -457,6 +462,8 @@ def _grouped_backward(ctx, d_out):
 
 
 def _weight_grad_kernel(x, dy, offsets, num_experts, out_dtype, implementation=None):
+    if not (x.shape[1] and dy.shape[1] and num_experts):  # an empty gradient (grouped_mm with K, N or E 0)
+        return x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype)
     return backends.dispatch(WEIGHT_GRAD, _device_type(x), implementation, x.contiguous(), dy.contiguous(),
                              offsets.long().contiguous(), num_experts, out_dtype)
 

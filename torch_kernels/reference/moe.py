@@ -215,18 +215,37 @@ def fused_moe_naive(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=No
     return out.to(x.dtype)
 
 
+def _product(a, b):
+    """``a @ b.T`` in float32 (float64 for float64 ``b``), ``b`` a weight read in its own dtype.
+
+    A 16-bit ``b`` is not widened (decode reads each weight once, and widening it took longer than
+    the GEMMs): the 16-bit product (float32 accumulation, rounded once) plus the 16-bit product of
+    what that rounding lost (``addmm`` takes the rounded product off inside the same float32
+    accumulation) is the float32 product to about 2^-16. A BLAS that rounded before subtracting
+    would lose only the correction (16-bit accuracy), never give a wrong result."""
+    a = a.to(b.dtype)
+    hi = a @ b.T
+    if b.dtype == compute_dtype(b.dtype):
+        return hi
+    return hi.float().add_(torch.addmm(hi, a, b.T, beta=-1))
+
+
 def fused_moe(x, w13, w2, topk_weights, token_of_row, row_of_slot, offsets, activation, w13_scale, w2_scale,
               block_shape):
     """The reference backend's kernel: the unfused composition, expert by expert over the experts
-    that have rows (their weights alone are dequantized or widened)."""
+    that have rows; both GEMMs float32-accurate (:func:`_product`), the intermediate rounded to x's
+    dtype between them. Float8 weights are dequantized only for the experts that have rows."""
     acc = compute_dtype(x.dtype)
     rows = moe_gather(x, token_of_row)
     y = torch.zeros(rows.shape[0], x.shape[1], dtype=acc, device=x.device)
     for e, (start, end) in enumerate(_segments(offsets)):
         if end == start:
             continue
-        w13_e, w2_e = (dequantize_weights(w[e:e + 1], None if s is None else s[e:e + 1], block_shape)[0].to(acc)
-                       for w, s in ((w13, w13_scale), (w2, w2_scale)))
-        h = activate(rows[start:end].to(acc) @ w13_e.T, activation).to(x.dtype)
-        y[start:end] = h.to(acc) @ w2_e.T
+        if w13_scale is None:
+            w13_e, w2_e = w13[e], w2[e]
+        else:
+            w13_e, w2_e = (dequantize_weights(w[e:e + 1], s[e:e + 1], block_shape)[0].to(acc)
+                           for w, s in ((w13, w13_scale), (w2, w2_scale)))
+        h = activate(_product(rows[start:end], w13_e), activation).to(x.dtype)
+        y[start:end] = _product(h, w2_e)
     return moe_combine(y, row_of_slot, topk_weights, x.dtype)
