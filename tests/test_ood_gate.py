@@ -21,7 +21,6 @@ from torch_kernels import models
 from torch_kernels.ood import MahalanobisScorer, OODGate, extract_features, record_tokens_saved
 from torch_kernels.serving import Engine
 
-from test_serving import smollm2  # noqa: F401  (the SmolLM2 fixture: skips, or fails in CI, where it is missing)
 
 transformers = pytest.importorskip("transformers")  # a test dependency ([test] extra)
 

@@ -18,12 +18,10 @@ import torch.nn.functional as F
 import transformers
 
 import torch_kernels
-from torch_kernels import models
 from torch_kernels.goodput import DATA as CLINC150  # the packaged copy
 from torch_kernels.integrations import transformers as integration
 from torch_kernels.ops.quantized_attention import FORCE_ENV_VAR, GRANULARITIES, PV_DTYPES
 
-REQUIRE_ALL = bool(__import__("os").environ.get("TORCH_KERNELS_REQUIRE_ALL_BACKENDS"))
 GATES = {"fp16": (0.999, 0.03), "none": (0.999, 0.03), "fp8": (0.998, 0.06)}  # cosine >=, relative L1 <=
 # perplexity over 512 tokens: at 192 the figures of the 9 option pairs scatter by about +-1% (one
 # reached +1.14% with fp8), at 512 by +-0.2%; the per-layer gates use the first 192
@@ -110,15 +108,6 @@ def test_cpu_takes_exact_sdpa_unless_forced(monkeypatch):
             model(ids, pv_dtype="fp32")
         with pytest.raises(TypeError, match="^force_quantized:"):
             model(ids, force_quantized="yes")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    reason = models.missing_reason()
-    if reason is not None:
-        (pytest.fail if REQUIRE_ALL else pytest.skip)(reason)
-    model, tokenizer = models.load_smollm2(torch.float32)
-    return model, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from torch_kernels import models
 from torch_kernels.serving import Engine
 
-from harness import REQUIRE_ALL, backend_params, require_backend, tiny_llama
+from harness import backend_params, require_backend, tiny_llama
 
 OP = "ragged_paged_attention"
 QUESTIONS = [  # chat-templated prompts of 32 to 91 tokens
@@ -28,14 +28,6 @@ QUESTIONS = [  # chat-templated prompts of 32 to 91 tokens
 ]
 MAX_NEW_TOKENS = [24, 12, 30, 8, 16]
 SHORT_PROMPT, SHORT_NEW_TOKENS = "The capital of France is", 4  # the interpreted backends are slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    reason = models.missing_reason()
-    if reason is not None:
-        (pytest.fail if REQUIRE_ALL else pytest.skip)(reason)
-    return models.load_smollm2(torch.float32)
 
 
 @torch.inference_mode()
