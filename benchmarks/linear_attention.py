@@ -158,8 +158,19 @@ def main(argv=None) -> int:
     rows = []
     for length in lengths:
         x = inputs(length, device, dtype)
-        for impl, fn in impls.items():
-            fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
+        for impl, fn in list(impls.items()):
+            if impl not in impls:  # a peer dropped at this length
+                continue
+            try:
+                fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
+            except Exception as e:  # a peer that refuses here (fla on some Triton versions) leaves its columns out
+                if impl not in fla:
+                    raise
+                fla, fla_note = {}, f"fla: left out, it failed here ({type(e).__name__}: {str(e)[:300]})"
+                impls = {name: f for name, f in impls.items() if not name.startswith("fla")}
+                rows = [r for r in rows if not r["impl"].startswith("fla")]
+                print(f"  {fla_note}", flush=True)
+                continue
             rows.append({"impl": impl, "T": length, "fwd_s": fwd, "fwd_bwd_s": fwd_bwd})
             print(f"  T={length:6d} {impl:24s} fwd {fwd * 1e3:9.1f} ms  fwd+bwd {fwd_bwd * 1e3:9.1f} ms", flush=True)
     backend = backends.last_backend("chunk_gated_delta_rule")
