@@ -105,8 +105,9 @@ def build_pool():
 def test_triton_kernels_build_and_fit_the_gpu(group, arch, build_pool, record_property):
     """Each build's PTX targets ``arch`` and its cubin exists; no build spills a register, asks for
     more shared memory than a block of ``arch`` may have (it would compile, then fail to launch),
-    or leaves a dot short of the tensor-core instruction its operands and tile allow
-    (``compile_report.problems``). The rows are printed and recorded."""
+    leaves a dot short of the tensor-core instruction its operands and tile allow, or takes 8-wide
+    tf32 wgmma tiles, which Triton reads past their shared memory with (``compile_report.problems``).
+    The rows are printed and recorded."""
     every_build = GROUPS[group](arch)
     assert every_build, group
     builds = compile_report.builds_for(every_build, arch)
@@ -179,6 +180,8 @@ def test_dots_read_from_ttgir():
     ]
     assert [d["best"] for d in compile_report.dots(TTGIR_DOTS, num_warps=4, arch=80)] == ["mma", "mma", "fma", "mma"]
     row = {"targets_arch": True, "arch": "sm_90", "spill_bytes": 8, "spill_stores": 4, "spill_loads": 4,
-           "stack_bytes": 8, "registers": 255, "shared_bytes": 300_000, "shared_limit": 232_448, "dot_detail": found}
+           "stack_bytes": 8, "registers": 255, "shared_bytes": 300_000, "shared_limit": 232_448, "dot_detail": found,
+           "narrow_tf32_wgmma": 2}
     problems = compile_report.problems(row)
-    assert len(problems) == 3 and "spills" in problems[0] and "300,000" in problems[1] and "became fma" in problems[2]
+    assert len(problems) == 4 and "spills" in problems[0] and "8 wide" in problems[1] and "300,000" in problems[2]
+    assert "became fma" in problems[3]

@@ -316,6 +316,12 @@ def _tensor_core_summary(found: list[dict], ptx: str) -> tuple[str, str]:
     return "+".join(used) or "none", "; ".join(reasons)
 
 
+# tf32 wgmma tiles 8 wide (as when 8 warps split a 16-wide float32 dot in two): Triton from 3.6 on can
+# read past their shared memory with them (triton-lang/triton#10629); a linear-attention kernel built
+# so is where an H200 run hit an illegal memory access
+_NARROW_TF32_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32\.tf32")
+
+
 def analyze(build: Build, arch: int) -> dict:
     """Compile ``build`` for ``arch`` and return its report row (the module docstring's columns;
     ``spill_bytes`` is spill stores plus spill loads, per thread)."""
@@ -335,7 +341,7 @@ def analyze(build: Build, arch: int) -> dict:
         "shared_bytes": usage["shared"], "shared_limit": GPUS[arch].shared_per_block,
         "tensor_cores": tensor_cores, "tensor_core_note": reason,
         "dots": len(found), "dots_short": sum(_ORDER[d["instruction"]] < _ORDER[d["best"]] for d in found),
-        "dot_detail": found,
+        "dot_detail": found, "narrow_tf32_wgmma": len(_NARROW_TF32_WGMMA.findall(ptx)),
         **occupancy(usage["registers"], usage["shared"], build.num_warps, arch),
         "targets_arch": f".target sm_{arch}" in ptx, "cubin_bytes": len(compiled.asm["cubin"]),
     }
@@ -357,13 +363,16 @@ def submit(pool, build: Build, arch: int):
 def problems(row: dict) -> list[str]:
     """What is wrong with one row: any spill (a spilled byte or stack frame), more shared memory
     than a block may have, a dot short of the tensor-core instruction its operands and tile allow,
-    a PTX not for its target."""
+    tf32 wgmma tiles 8 wide (``_NARROW_TF32_WGMMA``), a PTX not for its target."""
     found = []
     if not row["targets_arch"]:
         found.append(f"PTX not for {row['arch']}")
     if row["spill_bytes"] or row["stack_bytes"]:
         found.append(f"spills ({row['spill_stores']} bytes stored, {row['spill_loads']} loaded, "
                      f"{row['stack_bytes']} bytes of stack) at {row['registers']} registers")
+    if row.get("narrow_tf32_wgmma"):
+        found.append(f"{row['narrow_tf32_wgmma']} tf32 wgmma tiles 8 wide (m64n8k8), which Triton >= 3.6 can read "
+                     "past their shared memory with (triton-lang/triton#10629): fewer warps or a wider dot")
     if row["shared_bytes"] > row["shared_limit"]:
         found.append(f"{row['shared_bytes']:,} bytes of shared memory, over {row['shared_limit']:,}")
     for dot in row["dot_detail"]:

@@ -61,9 +61,17 @@ write and read, which cancel exactly, left out); ``dg`` is the reverse cumulativ
 (``reverse_cumsum_kernel``), in which the pairs on one side of t cancel. No exponential of a
 cumulative decay is ever formed.
 
-Precision: float32 state and accumulation. On a GPU float16/bfloat16 operands enter ``tl.dot`` in
-their dtype (float32 intermediates rounded to it), float32 ones as tf32x3; the triangular inverse is
-always float32. Under the interpreter (CPU tensors) everything is float32, as its bfloat16 is wrong.
+Precision: as the reference's, whatever the inputs' dtype: float32 states, intermediates and
+accumulation, and q, k normalized in float32 (``use_qk_l2norm``). On a GPU every product with a
+float32 operand (a state or its gradient, a decayed or solved tile, ``T``, ``W``) is tf32x3
+(``_dot32``), never rounded to a 16-bit input dtype: rounded (bfloat16 inputs on an H200), the chunk
+kernels' outputs were ~35x and their final states ~10^4x further from the truth than the
+reference's, element by element. Only products of two input tiles as loaded take 16-bit operands
+(``_dot``, exact products): ``Q K^T`` in the output kernel and gated linear attention's ``dO V^T``.
+A decay that multiplies a state step after step (each step of the recurrent forms, each chunk of
+the walks) takes the math library's ``exp``, as torch does, not ``tl.exp``'s approximation, whose
+ulps compound. The interpreter (CPU tensors) computes everything in float32 (its bfloat16 is wrong)
+and has no math library.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ import typing
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from . import arch_of, autotune, for_device
 
@@ -100,25 +109,41 @@ class Config:
 KERNELS = ("wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
 
 
+def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int, k_dim: int, v_dim: int,
+                        arch: int | None) -> bool:
+    """Whether ``num_warps`` would split one of ``kernel``'s 64-row dots 16 wide (``block_k`` wide
+    in ``chunk_grad``, ``block_v`` wide in the other chunk kernels: no wider than K, V padded) into
+    8-wide tf32 wgmma tiles on sm_90 (``arch`` None: taken as sm_90), which Triton from 3.6 on can
+    read past their shared memory with (triton-lang/triton#10629): the float32 ``chunk_grad`` built
+    so, all its dots m64n8k8, is where an H200 run hit an illegal memory access. The WY step's dots
+    are 32 rows (mma.sync) and the recurrent kernels have none."""
+    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "recurrent"):
+        return False
+    width = min(block_k, _padded(k_dim)) if kernel == "chunk_grad" else min(block_v, _padded(v_dim))
+    return width < 32
+
+
 def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interpreted: bool = False,
                    arch: int | None = None) -> Config:
     """Heuristic per kernel (``KERNELS``; "recurrent" covers the three recurrent launches, which
     must split V alike). The chunk kernels loop over K and V in blocks and keep no whole ``[C, K]``
     or ``[K, V]`` tile, so their shared memory does not grow with K, V (tests/test_device_compile.py
-    holds it to the A100's and H100's limits). What
-    limits the tiles is registers: on sm_80 a warp holds a dot's operands over the whole depth of
-    the product, twice over for float32 (tf32x3 splits each operand in two), and ptxas falls back
-    to spilling nearly everything once a kernel wants far more than 255 registers. So: 32-wide K
-    blocks and 8 warps, V blocks of 64 for 16-bit inputs and 32 for float32 (16 in the kernels
-    holding two ``[C, C]`` sums and ``T``, or ``Q K^T`` and ``dS``), one pipeline stage where a
-    loop reads back what it stored or holds the most (and in the WY step, whose inverse sits at the
-    edge of 255 registers: 2 stages spilled); for float32, 16-wide K blocks for ``dq``, ``dk`` and
-    the WY step (16-wide V blocks there too). The
-    interpreter, whose cost is per program and step, takes 64-wide tiles. ``arch``, the GPU's compute
-    capability (``triton_impl.arch_of``; None: not CUDA, taken as sm_90): the float32 state backward
-    takes 4 warps from sm_90 on (8 spilled there, 4 spilled on sm_80). The recurrent form
-    takes narrow V blocks on a GPU (16: more programs, and at 32 a float16 state of K = 128
-    spilled).
+    holds it to the A100's and H100's limits). What limits the tiles is registers: nearly every dot
+    is tf32x3 whatever the inputs' dtype (module docstring, Precision), which splits each operand in
+    two, on sm_80 a warp holds a dot's operands over the whole depth of the product, and ptxas falls
+    back to spilling nearly everything once a kernel wants far more than 255 registers. So: 32-wide K
+    blocks and 8 warps, V blocks of 32 (16 in the kernels holding two ``[C, C]`` sums and ``T``, or
+    ``Q K^T`` and ``dS``), one pipeline stage where a loop reads back what it stored or holds the
+    most (and in the WY step, whose inverse sits at the edge of 255 registers: 2 stages spilled);
+    16-wide K blocks for ``dq``, ``dk`` and the WY step (16-wide V blocks there too), and for the
+    state backward with 16-bit inputs (32 spilled at K = 64). ``arch``, the GPU's compute capability
+    (``triton_impl.arch_of``; None: not CUDA, taken as sm_90): on sm_90 a kernel whose dots are 16
+    wide (the state backward, ``dq``/``dk``, the ``[C, C]`` gradients, any at V <= 16) takes 4 warps,
+    as 8 would split them into 8-wide tf32 wgmma tiles (:func:`_splits_narrow_dots`), and the
+    ``[C, C]`` gradients one stage (two spilled there); the WY step takes 4 warps for 16-bit inputs (8
+    spilled) and 8 for float32 (4 spilled). The interpreter, whose cost is per program and step,
+    takes 64-wide tiles. The recurrent form takes narrow V blocks on a GPU (16: more programs, and at
+    32 a float16 state of K = 128 spilled).
     """
     padded_v = max(16, triton.next_power_of_2(v_dim))
     if kernel == "recurrent":
@@ -128,28 +153,43 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    block_v = {"chunk_grad_pairs": 16 if wide else 32, "chunk_grad": 32, "wy": 16 if wide else 64,
-               "chunk_state_backward": 16 if wide else 64}.get(kernel, 32 if wide else 64)
-    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy") else 2
+    block_v = {"chunk_grad_pairs": 16, "wy": 16, "chunk_state_backward": 16}.get(kernel, 32)
+    block_k = 16 if kernel in ("chunk_grad", "wy") or (kernel == "chunk_state_backward" and not wide) else 32
     hopper = arch is None or arch >= 90
-    warps = 4 if wide and kernel == "chunk_state_backward" and hopper else 8
-    # float32 dq, dk and WY: 32 wide spilled on sm_80
-    block_k = 16 if wide and kernel in ("chunk_grad", "wy") else 32
+    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy") or hopper and \
+        kernel == "chunk_grad_pairs" else 2
+    if kernel == "wy":
+        warps = 8 if wide else 4
+    else:
+        warps = 4 if _splits_narrow_dots(kernel, block_k, block_v, 8, k_dim, v_dim, arch) else 8
     return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
-def _dot(a, b, LOW: tl.constexpr, DT: tl.constexpr):
-    """``a @ b`` accumulated in float32: operands in the input dtype ``DT`` when LOW, else tf32x3."""
-    if LOW:
-        return tl.dot(a.to(DT), b.to(DT))
+def _dot32(a, b):
+    """``a @ b`` of float32 values (states, decayed or solved intermediates) as tf32x3: three tf32
+    tensor-core products, about float32's accuracy (module docstring, Precision)."""
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
 
 
 @triton.jit
-def _dot32(a, b):
-    """float32 ``a @ b`` for the WY inverse, whatever the inputs' dtype (its entries may be large)."""
-    return tl.dot(a, b, input_precision="tf32x3")
+def _dot(a, b, LOW: tl.constexpr, DT: tl.constexpr):
+    """``a @ b`` accumulated in float32: operands in the 16-bit input dtype ``DT`` when LOW, else as
+    :func:`_dot32`. Here only for products of two input tiles as loaded (``Q K^T``, ``dO V^T``),
+    whose 16-bit products are exact; every other product is :func:`_dot32`."""
+    if LOW:
+        return tl.dot(a.to(DT), b.to(DT))
+    return _dot32(a, b)
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    """``exp(x)`` for a decay that multiplies a state step after step (the errors compound): the
+    math library's (as torch's) when ACCURATE, not ``tl.exp``'s fast approximation (``ex2.approx``
+    on NVIDIA, a few ulp). The interpreter has no math library; its ``tl.exp`` is numpy's."""
+    if ACCURATE:
+        return libdevice.exp(x)
+    return tl.exp(x)
 
 
 @triton.jit
@@ -239,7 +279,6 @@ def wy_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, STORE_T: tl.constexpr,
-    LOW: tl.constexpr,
 ):
     """``T``, ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K`` of chunk ``program_id(0)``
     and value head ``program_id(1)`` (module docstring, step 1), in the chunk's two halves of
@@ -248,7 +287,6 @@ def wy_kernel(
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
-    DT = k_ptr.dtype.element_ty
     HALF: tl.constexpr = C // 2
     steps = tl.arange(0, HALF)
     rows1 = t0 + steps
@@ -263,9 +301,9 @@ def wy_kernel(
         dims = k0 + tl.arange(0, BK)
         k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
         k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
-        kk11 += _dot(k1, tl.trans(k1), LOW, DT)
-        kk21 += _dot(k2, tl.trans(k1), LOW, DT)
-        kk22 += _dot(k2, tl.trans(k2), LOW, DT)
+        kk11 += _dot32(k1, tl.trans(k1))
+        kk21 += _dot32(k2, tl.trans(k1))
+        kk22 += _dot32(k2, tl.trans(k2))
     beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
     beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
     g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
@@ -287,15 +325,15 @@ def wy_kernel(
         k_ok = dims < K
         k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * (beta1 * tl.exp(b1))[:, None]
         k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * (beta2 * tl.exp(b2))[:, None]
-        _store_rows(wk_ptr, _dot(t11, k1, LOW, DT), rows1, ok1, hv, HV, dims, k_ok, K)
-        _store_rows(wk_ptr, _dot(t21, k1, LOW, DT) + _dot(t22, k2, LOW, DT), rows2, ok2, hv, HV, dims, k_ok, K)
+        _store_rows(wk_ptr, _dot32(t11, k1), rows1, ok1, hv, HV, dims, k_ok, K)
+        _store_rows(wk_ptr, _dot32(t21, k1) + _dot32(t22, k2), rows2, ok2, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
         v1 = _rows(v_ptr, rows1, ok1, hv, HV, cols, v_ok, V) * beta1[:, None]
         v2 = _rows(v_ptr, rows2, ok2, hv, HV, cols, v_ok, V) * beta2[:, None]
-        _store_rows(u_ptr, _dot(t11, v1, LOW, DT), rows1, ok1, hv, HV, cols, v_ok, V)
-        _store_rows(u_ptr, _dot(t21, v1, LOW, DT) + _dot(t22, v2, LOW, DT), rows2, ok2, hv, HV, cols, v_ok, V)
+        _store_rows(u_ptr, _dot32(t11, v1), rows1, ok1, hv, HV, cols, v_ok, V)
+        _store_rows(u_ptr, _dot32(t21, v1) + _dot32(t22, v2), rows2, ok2, hv, HV, cols, v_ok, V)
 
 
 @triton.jit
@@ -315,7 +353,7 @@ def chunk_state_kernel(
     k_ptr, v_ptr, g_ptr, u_ptr, wk_ptr, h0_ptr, h_ptr, ht_ptr, cu_ptr, first_chunk_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, DELTA: tl.constexpr,
-    LOW: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,
 ):
     """The chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 2): each chunk's start state to ``h``, ``W = U - Wk S0``
@@ -323,7 +361,6 @@ def chunk_state_kernel(
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
-    DT = k_ptr.dtype.element_ty
     start = tl.load(cu_ptr + n)
     end = tl.load(cu_ptr + n + 1)
     num_chunks = tl.cdiv(end - start, C)
@@ -355,16 +392,16 @@ def chunk_state_kernel(
             for k0 in range(0, K, BK):
                 block = k0 + tl.arange(0, BK)
                 wk = _rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)
-                w -= _dot(wk, _state_block(state, block, cols, K, V), LOW, DT)
+                w -= _dot32(wk, _state_block(state, block, cols, K, V))
             _store_rows(u_ptr, w, rows, ok, hv, HV, cols, v_ok, V)
         else:
             w = _rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        chunk_decay = tl.exp(tl.sum(g, axis=0))
+        chunk_decay = _exp(tl.sum(g, axis=0), ACCURATE_EXP)
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * end_decay[:, None]
-            updated = chunk_decay * _state_block(state, block, cols, K, V) + _dot(tl.trans(k_decayed), w, LOW, DT)
+            updated = chunk_decay * _state_block(state, block, cols, K, V) + _dot32(tl.trans(k_decayed), w)
             _store_state_block(following, updated, block, cols, K, V)
         state = following
 
@@ -380,7 +417,7 @@ def chunk_output_kernel(
     c = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
-    DT = k_ptr.dtype.element_ty
+    DT = q_ptr.dtype.element_ty
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
     rows = t0 + tl.arange(0, C)
     ok = rows < end
@@ -396,10 +433,10 @@ def chunk_output_kernel(
         qk += _dot(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), LOW, DT)
         state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        qs += _dot(q, state, LOW, DT)
+        qs += _dot32(q, state)
     g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-    o = scale * (tl.exp(b)[:, None] * qs + _dot(qk * _decay(g, ok, ok, False, C), w, LOW, DT))
+    o = scale * (tl.exp(b)[:, None] * qs + _dot32(qk * _decay(g, ok, ok, False, C), w))
     _store_rows(o_ptr, o, rows, ok, hv, HV, cols, v_ok, V)
 
 
@@ -408,7 +445,7 @@ def chunk_state_backward_kernel(
     q_ptr, k_ptr, wk_ptr, g_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, DELTA: tl.constexpr,
-    LOW: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,
 ):
     """The backward chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 4): ``dS`` of each chunk's end state to ``dh``, ``dW``
@@ -417,7 +454,6 @@ def chunk_state_backward_kernel(
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
-    DT = k_ptr.dtype.element_ty
     start = tl.load(cu_ptr + n)
     end = tl.load(cu_ptr + n + 1)
     num_chunks = tl.cdiv(end - start, C)
@@ -451,20 +487,20 @@ def chunk_state_backward_kernel(
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
-            qk += _dot(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k), LOW, DT)
-            dw += _dot(k * end_decay[:, None], _state_block(d_state, block, cols, K, V), LOW, DT)
+            qk += _dot32(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
+            dw += _dot32(k * end_decay[:, None], _state_block(d_state, block, cols, K, V))
         do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        dw += scale * _dot(tl.trans(qk * _decay(g, ok, ok, False, C)), do, LOW, DT)
+        dw += scale * _dot32(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
         _store_rows(dw_ptr, dw, rows, ok, hv, HV, cols, v_ok, V)
-        chunk_decay = tl.exp(tl.sum(g, axis=0))
+        chunk_decay = _exp(tl.sum(g, axis=0), ACCURATE_EXP)
         exp_b = tl.exp(b)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * exp_b[:, None]
             updated = chunk_decay * _state_block(d_state, block, cols, K, V)
-            updated += scale * _dot(tl.trans(q_decayed), do, LOW, DT)
+            updated += scale * _dot32(tl.trans(q_decayed), do)
             if DELTA:
-                updated -= _dot(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw, LOW, DT)
+                updated -= _dot32(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw)
             _store_state_block(preceding, updated, block, cols, K, V)
         d_state = preceding
 
@@ -497,13 +533,13 @@ def chunk_grad_pairs_kernel(
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
         w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        do_w += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(w), LOW, DT)
+        do_w += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(w), LOW and not DELTA, DT)
         if DELTA:
-            dr = _dot(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V), LOW, DT)
+            dr = _dot32(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V))
             _store_rows(dw_ptr, dr, rows, ok, hv, HV, cols, v_ok, V)
             _store_rows(dv_ptr, beta[:, None] * dr, rows, ok, hv, HV, cols, v_ok, V)
             dbeta += tl.sum(_rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V) * dr, axis=1)
-            dr_w += _dot(dr, tl.trans(w), LOW, DT)
+            dr_w += _dot32(dr, tl.trans(w))
     g = _gates(g_ptr, rows, ok, hv, HV, HAS_G, C)
     decay = _decay(g, ok, ok, False, C)
     _store_rows(dp_ptr, scale * do_w * decay, rows, ok, hv, HV, steps, steps < C, C)
@@ -519,7 +555,6 @@ def chunk_grad_kernel(
     dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr,
-    LOW: tl.constexpr,
 ):
     """``dq``, ``dk`` (per value head) of chunk ``program_id(0)``, value head ``program_id(1)``, K
     block ``program_id(2)`` (module docstring, step 6), and this K block's parts
@@ -528,7 +563,6 @@ def chunk_grad_kernel(
     hv = tl.program_id(1)
     kb = tl.program_id(2)
     kh = hv // (HV // H)
-    DT = k_ptr.dtype.element_ty
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
     rows = t0 + tl.arange(0, C)
     ok = rows < end
@@ -549,12 +583,12 @@ def chunk_grad_kernel(
         state_ok = k_ok[:, None] & v_ok[None, :]
         state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
         d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-        do_s += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state), LOW, DT)
-        w_ds += _dot(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state), LOW, DT)
+        do_s += _dot32(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+        w_ds += _dot32(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
         if HAS_G:
             ds_s += tl.sum(tl.sum(d_state * state, axis=1), axis=0)
         if DELTA:
-            dr_s += _dot(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state), LOW, DT)
+            dr_s += _dot32(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
     g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     exp_b = tl.where(ok, tl.exp(b), 0.0)
     end_decay = tl.where(ok, tl.exp(to_end), 0.0)
@@ -580,14 +614,14 @@ def chunk_grad_kernel(
         k_part = _rows(k_ptr, part_rows, part_ok, kh, H, dims, k_ok, K)
         dp_cols = _rows(dp_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C)
         dp_diag += tl.sum(tl.where(steps[:, None] == part_steps[None, :], dp_cols, 0.0), axis=1)
-        dp_k += _dot(tl.where(below, dp_cols, 0.0), k_part, LOW, DT)
+        dp_k += _dot32(tl.where(below, dp_cols, 0.0), k_part)
         dp_rows = tl.where(above, _rows(dp_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
-        dp_q += _dot(tl.trans(dp_rows), _rows(q_ptr, part_rows, part_ok, kh, H, dims, k_ok, K), LOW, DT)
+        dp_q += _dot32(tl.trans(dp_rows), _rows(q_ptr, part_rows, part_ok, kh, H, dims, k_ok, K))
         if DELTA:
             beta_part = tl.load(beta_ptr + part_rows.to(tl.int64) * HV + hv, mask=part_ok, other=0.0)
-            da_k += _dot(_rows(da_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C), k_part, LOW, DT)
+            da_k += _dot32(_rows(da_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C), k_part)
             da_rows = _rows(da_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C)
-            da_bk += _dot(tl.trans(da_rows), k_part * beta_part[:, None], LOW, DT)
+            da_bk += _dot32(tl.trans(da_rows), k_part * beta_part[:, None])
     dq = scale * exp_b[:, None] * do_s + dp_k + dp_diag[:, None] * k
     dk = dp_q + dp_diag[:, None] * q + end_decay[:, None] * w_ds
     # dL/db_t term by term: each is a pair (write s, read t > s) carrying its decay, or a read of
@@ -633,7 +667,7 @@ def recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, out_ptr, ht_ptr, do_ptr, dht_ptr, dv_ptr, dq_ptr, dk_ptr, db_ptr,
     cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
     BV: tl.constexpr, MODE: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
-    HAS_DHT: tl.constexpr,
+    HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
 ):
     """The recurrence step by step for sequence ``program_id(0)``, value head ``program_id(1)``, V
     block ``program_id(2)``, ending with the final state in ``ht``. MODE 0: the outputs to ``out``;
@@ -667,7 +701,7 @@ def recurrent_kernel(
         k = tl.load(k_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
         u = tl.load(v_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
         if HAS_G:
-            state *= tl.exp(tl.load(g_ptr + t * HV + hv))
+            state *= _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
         if DELTA:
             e = u - tl.sum(state * k[:, None], axis=0)
             if MODE == 1:
@@ -701,7 +735,7 @@ def recurrent_kernel(
 def recurrent_backward_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, e_ptr, do_ptr, dht_ptr, dv_ptr, dk_ptr, dbeta_ptr, db_ptr, dh0_ptr,
     cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-    BV: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_DHT: tl.constexpr,
+    BV: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
 ):
     """The backward walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` with ``dS`` in registers: ``dv`` (= ``de`` for the delta rule), this V
@@ -754,7 +788,7 @@ def recurrent_backward_kernel(
         tl.store(dv_ptr + v_offs, dv, mask=v_ok)
         tl.store(dk_ptr + part * K + dims, dk, mask=k_ok)
         if HAS_G:
-            d_state *= tl.exp(tl.load(g_ptr + t * HV + hv))
+            d_state *= _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
     tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, d_state, mask=state_ok)
 
 
@@ -785,17 +819,28 @@ class _Problem:
         return self.q.shape[0], self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2]
 
     @property
-    def low(self) -> bool:
-        return _low_precision(self.q.dtype, self.q.device.type == "cpu")
+    def interpreted(self) -> bool:
+        return self.q.device.type == "cpu"
+
+    @property
+    def low_qk(self) -> bool:
+        """Whether the output kernel's ``Q K^T`` takes 16-bit operands: q, k as given (normalized
+        ones are float32)."""
+        return _low_precision(self.q.dtype, self.interpreted)
+
+    @property
+    def low_v(self) -> bool:
+        """Whether gated linear attention's ``dO V^T`` takes 16-bit operands (``dO`` in v's dtype)."""
+        return _low_precision(self.v.dtype, self.interpreted)
 
     def config(self, kernel: str) -> Config:
         """``kernel``'s config: tuned or cached per device (``triton_impl.autotune``), else the heuristic."""
         tokens, heads, value_heads, k_dim, v_dim = self.shape
-        sizes = (kernel, k_dim, v_dim, self.q.dtype, self.q.device.type == "cpu", arch_of(self.q.device))
+        sizes = (kernel, k_dim, v_dim, self.v.dtype, self.interpreted, arch_of(self.q.device))
         if self.rerun is None:
             return default_config(*sizes)
         key = dict(tokens=tokens, seqs=self.num_seqs, heads=heads, value_heads=value_heads, k=k_dim, v=v_dim,
-                   dtype=self.q.dtype, gated=self.g is not None, delta=self.beta is not None)
+                   dtype=self.v.dtype, gated=self.g is not None, delta=self.beta is not None)
         return autotune.choose(f"linear_attention.{kernel}", self.q.device, key, lambda: default_config(*sizes),
                                lambda: config_space(*sizes), self.rerun)
 
@@ -839,10 +884,16 @@ def config_space(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, interp
                  arch: int | None = None) -> list[Config]:
     """The configs an autotuner may try (``triton_impl.autotune``; arguments as :func:`default_config`):
     the heuristic's, then V blocks of 16 to 64 (no wider than V), K steps of 32 or 64, 4 or 8 warps,
-    1 or 2 stages. A config out of shared memory fails to launch and is skipped."""
+    1 or 2 stages, less those that would split a dot into 8-wide tf32 wgmma tiles
+    (:func:`_splits_narrow_dots`: an illegal memory access is no failure a search can skip). A config
+    out of shared memory fails to launch and is skipped."""
     padded_v = _padded(v_dim)
-    return autotune.space(default_config(kernel, k_dim, v_dim, dtype, interpreted, arch),
-                          lambda config: config.block_v <= padded_v, block_v=(16, 32, 64),
+
+    def keep(config: Config) -> bool:
+        return config.block_v <= padded_v and not _splits_narrow_dots(
+            kernel, config.block_k, config.block_v, config.num_warps, k_dim, v_dim, arch)
+
+    return autotune.space(default_config(kernel, k_dim, v_dim, dtype, interpreted, arch), keep, block_v=(16, 32, 64),
                           block_k=(64,) if kernel == "recurrent" else (32, 64), num_warps=(4, 8), num_stages=(1, 2))
 
 
@@ -857,7 +908,9 @@ def _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm) -> _Probl
     q_raw = k_raw = None
     if use_qk_l2norm:
         q_raw, k_raw = q.reshape(tokens, heads, k_dim).float(), k.reshape(tokens, heads, k_dim).float()
-        q, k = _l2_normalize(q_raw).to(q.dtype), _l2_normalize(k_raw).to(k.dtype)
+        # kept in float32, as the reference keeps them: rounded to a 16-bit q.dtype they left the
+        # outputs ~20x and the final states ~1000x further from the truth than the reference's
+        q, k = _l2_normalize(q_raw), _l2_normalize(k_raw)
     if cu_seqlens is None:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * length
     else:
@@ -895,13 +948,14 @@ def _chunk_recompute(x: _Problem, store_t: bool):
         if num_chunks:
             x.launch(wy_kernel, x.config("wy"), (num_chunks, value_heads),
                      x.k, x.v, _or(x.g, x.beta), x.beta, t_inv, w, wk, chunk_seq, chunk_start, x.cu,
-                     HAS_G=x.g is not None, STORE_T=store_t, LOW=x.low)
+                     HAS_G=x.g is not None, STORE_T=store_t)
     h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     config = x.config("chunk_state")
     x.launch(chunk_state_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.k, x.v, _or(x.g, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk,
-             HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None, LOW=x.low)
+             HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None,
+             ACCURATE_EXP=not x.interpreted)
     return t_inv, _or(w, x.v), wk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
 
 
@@ -923,7 +977,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
         config = x.config("chunk_output")
         x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
                  x.q, x.k, w, _or(x.g, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None,
-                 LOW=x.low)
+                 LOW=x.low_qk)
     return o.view(v.shape), ht
 
 
@@ -961,7 +1015,8 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     config = x.config("chunk_state_backward")
     x.launch(chunk_state_backward_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.q, x.k, _or(wk, x.k), _or(x.g, x.k), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk, scale,
-             HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta, LOW=x.low)
+             HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta,
+             ACCURATE_EXP=not x.interpreted)
     dq = torch.empty(tokens, value_heads, k_dim, **f32)
     dk = torch.empty(tokens, value_heads, k_dim, **f32)
     dv = torch.empty(tokens, value_heads, v_dim, **f32) if delta else dw
@@ -972,7 +1027,8 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
         da = torch.empty(tokens, value_heads, CHUNK, **f32) if delta else None
         x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
-                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, LOW=x.low)
+                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta,
+                 LOW=x.low_v and do.dtype == x.v.dtype)
         config = x.config("chunk_grad")
         blocks = triton.cdiv(k_dim, config.block_k)
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
@@ -980,7 +1036,7 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
         x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
                  x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
                  _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
-                 HAS_G=x.g is not None, DELTA=delta, LOW=x.low)
+                 HAS_G=x.g is not None, DELTA=delta)
         if delta:
             dbeta += dbeta_parts.sum(0)
         if x.g is not None:
@@ -999,7 +1055,7 @@ def _recurrent(x: _Problem, mode: int, scale: float, out=None, ht=None, do=None,
              x.q, x.k, x.v, _or(x.g, unread), _or(x.beta, unread), _or(x.h0, unread), _or(out, unread), ht,
              _or(do, unread), _or(dht, unread), _or(dv, unread), _or(dq, unread), _or(dk, unread), _or(db, unread),
              x.cu, scale, MODE=mode, HAS_G=x.g is not None, DELTA=x.beta is not None, HAS_H0=x.h0 is not None,
-             HAS_DHT=dht is not None)
+             HAS_DHT=dht is not None, ACCURATE_EXP=not x.interpreted)
 
 
 def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
@@ -1039,7 +1095,8 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     x.launch(recurrent_backward_kernel, config, (x.num_seqs, value_heads, blocks),
              x.q, x.k, x.v, _or(x.g, dv), _or(x.beta, dv), _or(e, dv), do, _or(dht, dh0), dv, dk_write,
-             _or(dbeta, dv), db_write, dh0, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, HAS_DHT=dht is not None)
+             _or(dbeta, dv), db_write, dh0, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, HAS_DHT=dht is not None,
+             ACCURATE_EXP=not x.interpreted)
     dq = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     dk_read = torch.empty(blocks, tokens, value_heads, k_dim, **f32) if delta else None
     db_read = torch.empty(blocks, tokens, value_heads, **f32)
@@ -1086,24 +1143,28 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
     """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
     (Qwen3-Next-like head sizes by default) at its default config for compute capability ``arch``,
     to build ahead of time for inputs of ``dtype``."""
-    flags = dict(HAS_G=True, LOW=_low_precision(dtype, interpreted=False))
+    low = _low_precision(dtype, interpreted=False)
+    accurate = dict(ACCURATE_EXP=True)
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
-        ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_H0=True, DELTA=delta, **flags), True, None),
-        ("chunk_output", chunk_output_kernel, "chunk_output", flags, True, None),
+        ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_G=True, HAS_H0=True, DELTA=delta, **accurate),
+         True, None),
+        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, LOW=low), True, None),
         ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
-         dict(HAS_DHT=True, DELTA=delta, **flags), True, None),
-        ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs", dict(DELTA=delta, **flags), True, None),
-        ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(DELTA=delta, **flags), True, None),
+         dict(HAS_G=True, HAS_DHT=True, DELTA=delta, **accurate), True, None),
+        ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs", dict(HAS_G=True, DELTA=delta, LOW=low),
+         True, None),
+        ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(HAS_G=True, DELTA=delta), True, None),
         ("reverse_cumsum", reverse_cumsum_kernel, None, dict(WITHIN_CHUNKS=True), False, None),
-        ("recurrent_backward", recurrent_backward_kernel, "recurrent", dict(HAS_G=True, DELTA=delta, HAS_DHT=True),
-         False, None),
+        ("recurrent_backward", recurrent_backward_kernel, "recurrent",
+         dict(HAS_G=True, DELTA=delta, HAS_DHT=True, **accurate), False, None),
     ]
     if delta:
-        cases.append(("wy", wy_kernel, "wy", dict(STORE_T=True, **flags), True, None))
+        cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True), True, None))
     for mode, out_type in ((0, "*" + _TRITON_TYPES[dtype]), (1, "*fp32"), (2, "*fp32")):
         if mode != 1 or delta:
             cases.append((f"recurrent_mode{mode}", recurrent_kernel, "recurrent",
-                          dict(MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True), False, out_type))
+                          dict(MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True, **accurate), False,
+                          out_type))
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)
