@@ -5,7 +5,8 @@ instructions its matmuls became, and the occupancy that implies.
     python benchmarks/compiled_kernels.py [--quick | --all] [--out DIR] [--workers N]
 
 Each kernel at its default config for the benchmark shapes (triton_impl/compile_report.py lists
-them; ``--all`` every size for every dtype, ``--quick`` one group per family). ``spill_bytes`` is
+them; ``--all`` every size for every dtype, ``--quick`` one group per family: the group its
+benchmarks/<family>.py declares as ``quick_compile_group``, in the full report's order). ``spill_bytes`` is
 spill stores plus spill loads per thread (ptxas -v); occupancy is blocks and warps per SM from
 registers (65,536 per SM, 256 per warp at a time, four sub-partitions), shared memory (228 KiB per
 SM on sm_90, 164 KiB on sm_80, 1 KiB reserved per block) and warps (64 per SM, 32 blocks).
@@ -25,10 +26,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import RESULTS, machine_line, markdown_table  # noqa: E402
-
-QUICK_GROUPS = ("linear_attention-K64", "paged_attention-D128", "ood", "quantized_attention-D64",
-                "moe-deepseek-v3-float16-T1")
+from common import RESULTS, declaring, machine_line, markdown_table  # noqa: E402
 
 
 def collect(groups: dict, archs, workers: int | None = None) -> list[dict]:
@@ -95,7 +93,11 @@ def main() -> int:
     args = parser.parse_args()
     groups = compile_report.build_groups(everything=args.all)
     if args.quick:
-        groups = {name: groups[name] for name in QUICK_GROUPS}
+        quick = {declared["quick_compile_group"] for _, declared in declaring("quick_compile_group")}
+        if quick - groups.keys():
+            parser.error(f"benchmarks declare compile groups that triton_impl/compile_report.py does not build: "
+                         f"{sorted(quick - groups.keys())}")
+        groups = {name: make for name, make in groups.items() if name in quick}
     start = time.perf_counter()
     rows = collect(groups, compile_report.ARCHS, args.workers)
     seconds = time.perf_counter() - start

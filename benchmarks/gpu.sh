@@ -4,10 +4,10 @@
 # Offline, on a machine with torch, triton and jax but not this project's other dependencies:
 # installs the project without dependencies, then runs the doctor on cuda, the device tests
 # (tests/test_on_device.py, TORCH_KERNELS_TEST_DEVICE=cuda), an autotuning pass over the
-# benchmarks' shapes, every family's benchmark in its --gpu preset on the tuned configs, and
-# benchmarks/gpu_summary.py, writing to OUT_DIR: doctor.txt, device_tests.txt,
-# autotune/<device>.json (the filled cache), <family>-gpu.{md,json,png} for paged_attention,
-# linear_attention, moe, quantized_attention and ood, summary.md, summary.json, steps.tsv (each
+# benchmarks' shapes, every family's benchmark in its --gpu preset on the tuned configs (the
+# families whose benchmarks/<family>.py declares a gpu_step), and benchmarks/gpu_summary.py,
+# writing to OUT_DIR: doctor.txt, device_tests.txt, autotune/<device>.json (the filled cache),
+# <family>-gpu.{md,json,png} for each family, summary.md, summary.json, steps.tsv (each
 # step's status and seconds) and logs/<step>.log.
 # Each step has a time cap and the whole run a budget (GPU_SCRIPT_BUDGET_S, default 470 s), so it
 # ends within 8 minutes on one H200; a step that fails or runs out of time is recorded and the
@@ -150,28 +150,33 @@ fi
 # ready to ship in torch_kernels/autotune_configs/. CPU tensors never search: the dry run saves an
 # empty cache, after one benchmark's pass (the steps' logic, at the cost of one family). One step per
 # family, so that one family's searches cannot spend the others' time.
-tuned_families="paged_attention quantized_attention moe linear_attention ood"
-[ "$dry_run" = 0 ] || tuned_families="ood"
+# The family steps (here and in 4.) are those the family scripts declare (BENCHMARK's gpu_step, read by
+# benchmarks/common.py), a line each: the family, then (bench) its cap, then its own arguments.
+family_steps() {  # family_steps KIND [--dry-run]: fills the array `steps`
+    local listing
+    steps=()
+    listing="$("$python" benchmarks/common.py gpu-steps "$@")" || { note "steps-$1" "the family steps could not be listed"; return; }
+    while IFS= read -r line; do [ -z "$line" ] || steps+=("$line"); done <<< "$listing"
+}
+tune_args=()
+[ "$dry_run" = 0 ] || tune_args=(--dry-run)
+family_steps autotune ${tune_args[@]+"${tune_args[@]}"}
 export TORCH_KERNELS_CACHE="$out/cache"
-for name in $tuned_families; do
-    limit=()
-    [ "$name" != paged_attention ] || limit=(--time-limit 15)
-    run_step "autotune-$name" 20 env TORCH_KERNELS_AUTOTUNE=1 "$python" "benchmarks/$name.py" --gpu --device "$device" \
-        --out "$out/logs/autotune-runs" --budget 0.05 ${limit[@]+"${limit[@]}"}
+for line in ${steps[@]+"${steps[@]}"}; do
+    IFS=$'\t' read -r -a step <<< "$line"
+    run_step "autotune-${step[0]}" 20 env TORCH_KERNELS_AUTOTUNE=1 "$python" "benchmarks/${step[0]}.py" --gpu \
+        --device "$device" --out "$out/logs/autotune-runs" --budget 0.05 "${step[@]:1}"
 done
 run_step autotune-save 30 "$python" -c 'import sys; from torch_kernels.autotune import autotune
 print(autotune.export(sys.argv[1], sys.argv[2]))' "$device" "$out/autotune"
 
 # ---- 4. every family's benchmark, GPU preset (--device cpu: tiny)
-bench() {  # bench NAME CAP_S ARGS...
-    local name="$1" cap="$2"; shift 2
-    run_step "$name" "$cap" "$python" "benchmarks/$name.py" --gpu --device "$device" --out "$out" "$@"
-}
-bench paged_attention 90 --time-limit 60
-bench quantized_attention 60
-bench moe 75
-bench linear_attention 150  # fla's kernels autotune on their first calls
-bench ood 30
+family_steps bench
+for line in ${steps[@]+"${steps[@]}"}; do
+    IFS=$'\t' read -r -a step <<< "$line"
+    run_step "${step[0]}" "${step[1]}" "$python" "benchmarks/${step[0]}.py" --gpu --device "$device" --out "$out" \
+        "${step[@]:2}"
+done
 
 # ---- 5. the summary of the goals
 t0=$(date +%s)

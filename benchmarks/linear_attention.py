@@ -14,7 +14,6 @@ Writes ``linear_attention{-quick,-gpu,}.{md,json,png}`` to ``--out`` (default ``
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -23,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, machine_line, markdown_table, seconds_per_call  # noqa: E402
+from common import (NOT_MEASURED, all_met, cuda_missing, family_parser, goal_result,  # noqa: E402
+                    machine_line, markdown_table, seconds_per_call)
 
 import torch_kernels  # noqa: E402
 from torch_kernels import backends  # noqa: E402
@@ -31,6 +31,14 @@ from torch_kernels.reference.linear_attention import recurrence_naive  # noqa: E
 
 HEADS, HEAD_SIZE = 16, 128
 K = 1024
+
+BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
+    "gpu_step": {"position": 40, "cap_s": 150, "autotuned": True},  # fla's kernels autotune on their first calls
+    "summary_position": 20,
+    "summary_goals": [["Gated DeltaNet vs fla", "forward+backward at least as fast as fla's for T >= 4k"]],
+    "quick_compile_group": "linear_attention-K64",
+    "bench": True,
+}
 
 
 def inputs(length: int, device, dtype, seed=0):
@@ -130,17 +138,28 @@ def plot(rows, impls, path):
     fig.savefig(path, dpi=110)
 
 
+def gpu_goals(data: dict) -> list:
+    """BENCHMARK's summary goal from ``linear_attention-gpu.json``: fla's forward+backward time over ours
+    at each length from 4k."""
+    rows = data["rows"]
+    ratios = []
+    for t in sorted({r["T"] for r in rows if r["T"] >= 4 * K}):
+        ours = next((r for r in rows if r["T"] == t and r["impl"] == "ours: gated delta rule"), None)
+        fla = next((r for r in rows if r["T"] == t and r["impl"] == "fla gated delta rule"), None)
+        if ours and fla and ours["fwd_bwd_s"] and fla["fwd_bwd_s"]:
+            ratios.append((t, fla["fwd_bwd_s"] / ours["fwd_bwd_s"]))
+    if not ratios:
+        return [goal_result(None, NOT_MEASURED, data.get("fla") if data.get("fla") != "timed"
+                            else "no length >= 4k measured")]
+    return [goal_result(f"{min(r for _, r in ratios):.2f}x fla's speed (worst)", all_met([r for _, r in ratios], 1.0),
+                        "; ".join(f"T = {t // K}k: {r:.2f}x" for t, r in ratios))]
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="T = 1k and 2k only (a smoke test)")
-    parser.add_argument("--gpu", action="store_true",
-                        help="benchmarks/gpu.sh's lengths (with --device cpu: tiny, its dry run); writes -gpu files")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
+    parser = family_parser(__doc__.splitlines()[0], quick="T = 1k and 2k only (a smoke test)",
+                           gpu="benchmarks/gpu.sh's lengths (with --device cpu: tiny, its dry run); writes -gpu files")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     device = torch.device(args.device)
     cuda = device.type == "cuda"

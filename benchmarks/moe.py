@@ -30,7 +30,6 @@ there, correctness tools: not timed), triton on CUDA, bfloat16 on both. Writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import gc
@@ -46,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, machine_line, markdown_table, seconds_per_call  # noqa: E402
+from common import (NOT_MEASURED, all_met, cuda_missing, family_parser, goal_result, machine_line,  # noqa: E402
+                    markdown_table, seconds_per_call)
 
 import torch_kernels  # noqa: E402
 from torch_kernels.ops.moe import fused_moe_flops  # noqa: E402
@@ -55,6 +55,15 @@ K = 1024
 PREFILL_GOAL = 0.70  # grouped_mm's fraction of the dense matmul rate at prefill sizes (GPU goal)
 DTYPE = torch.bfloat16
 COMPARE_CHUNK = 1 << 26  # elements upcast at a time when comparing (DeepSeek's gradients are GBs)
+
+BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
+    "gpu_step": {"position": 30, "cap_s": 75, "autotuned": True},
+    "summary_position": 30,
+    "summary_goals": [["grouped_mm vs matmul rate", ">= 70% of the dense matmul of the same M, K, N at prefill sizes"],
+                      ["fused_moe vs unfused", "faster at every size"]],
+    "quick_compile_group": "moe-deepseek-v3-float16-T1",
+    "bench": True,
+}
 
 
 # -------------------------------------------------------------------------------------- sizes
@@ -604,22 +613,43 @@ def plot(rows, cases, path):
 # --------------------------------------------------------------------------------------- main
 
 
+def gpu_goals(data: dict) -> list:
+    """BENCHMARK's summary goals from ``moe-gpu.json``: grouped_mm's time against the dense matmul of the
+    same M, K, N at the prefill cases (forward, forward+backward), and fused_moe's against the unfused
+    ops at every case."""
+    rows = data["rows"]
+    fractions = []
+    for case in (c["label"] for c in data["cases"] if c["phase"] == "prefill"):
+        ours, dense = find(rows, case, "grouped_mm", "ours"), find(rows, case, "grouped_mm", "dense")
+        for mode in ("fwd", "fwd_bwd"):
+            if ours and dense and ours[f"{mode}_s"] and dense[f"{mode}_s"]:
+                fractions.append((f"{case} {mode}", dense[f"{mode}_s"] / ours[f"{mode}_s"]))
+    speedups = []
+    for case in (c["label"] for c in data["cases"]):
+        fused, unfused = find(rows, case, "block", "ours fused_moe"), find(rows, case, "block", "ours unfused")
+        if fused and unfused and fused["fwd_s"] and unfused["fwd_s"]:
+            speedups.append((case, unfused["fwd_s"] / fused["fwd_s"]))
+    results = []
+    for pairs, threshold, fmt in ((fractions, PREFILL_GOAL, "{:.0%}"), (speedups, 1.0, "{:.2f}x")):
+        if not pairs:
+            results.append(goal_result(None, NOT_MEASURED, "no case measured"))
+            continue
+        worst = min(v for _, v in pairs)
+        results.append(goal_result(fmt.format(worst) + " (worst)", all_met([v for _, v in pairs], threshold),
+                                   "; ".join(f"{k}: {fmt.format(v)}" for k, v in pairs)))
+    return results
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few small cases (a smoke test)")
-    parser.add_argument("--gpu", action="store_true",
-                        help="benchmarks/gpu.sh's cases (with --device cpu: tiny, its dry run); writes -gpu files")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
+    parser = family_parser(__doc__.splitlines()[0], quick="a few small cases (a smoke test)",
+                           gpu="benchmarks/gpu.sh's cases (with --device cpu: tiny, its dry run); writes -gpu files")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default on CPU: 1, steady on shared cores; on CUDA: torch's)")
     args = parser.parse_args(argv)
     start, load = time.time(), [os.getloadavg()[0]]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     if args.threads or not cuda:
         # under load, eight small matmuls took 150 ms on two threads and 0.3 ms on one

@@ -12,7 +12,6 @@ spend more than ``--interpreted-limit`` seconds on are left out.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -25,7 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine_line, markdown_table, run_peer, seconds_per_call  # noqa: E402
+from common import (RESULTS, ROOT, cuda_missing, family_parser, machine_line, markdown_table, run_peer,  # noqa: E402
+                    seconds_per_call)
 
 import torch_kernels  # noqa: E402
 from torch_kernels.ood import EDMScorer, MahalanobisScorer, evaluate  # noqa: E402
@@ -33,6 +33,12 @@ from torch_kernels.ops import ood as ood_ops  # noqa: E402
 from torch_kernels.reference import ood as reference  # noqa: E402
 
 INTERPRETED = {"triton", "pallas"}  # on CPU tensors
+
+BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
+    "gpu_step": {"position": 50, "cap_s": 30, "autotuned": True},
+    "quick_compile_group": "ood",
+    "bench": True,
+}
 
 
 def features(gen: torch.Generator, n: int, d: int) -> torch.Tensor:
@@ -304,15 +310,12 @@ def plot(rows, dims, batch_sizes, mech_rows, path):
 
 def gpu_main(args) -> int:
     """benchmarks/gpu.sh's OOD run: both scoring ops on ``args.device``, reference and triton, on
-    random inputs (``torch_kernels.selftest``'s makers: a whitener, an EDM denoiser of width 512),
-    rows/s and GFLOP/s; no peers, fits or CLINC150 (they need scikit-learn and sentence-transformers,
-    which a GPU machine may lack). On the CPU, tiny: the script's dry run. Writes ``ood-gpu.*``."""
-    from torch_kernels import selftest
-
+    random inputs (the self-test's makers in ``torch_kernels.ops.ood``: a whitener, an EDM denoiser
+    of width 512), rows/s and GFLOP/s; no peers, fits or CLINC150 (they need scikit-learn and
+    sentence-transformers, which a GPU machine may lack). On the CPU, tiny: the script's dry run. Writes ``ood-gpu.*``."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     sync = torch.cuda.synchronize if cuda else None
     dims, batch_sizes = ((384, 1024, 4096), (1, 64, 4096)) if cuda else ((32,), (1, 16))
@@ -322,14 +325,14 @@ def gpu_main(args) -> int:
     rows = []
     for d in dims:
         gen = torch.Generator().manual_seed(d)
-        x, means, whitener = selftest.mahalanobis_inputs(gen, torch.float32, device, b=max(batch_sizes), d=d, c=1)
-        _, *edm_params = selftest.edm_inputs(gen, torch.float32, device, b=1, d=d, h=width, blocks=blocks,
-                                             levels=levels)
+        x, means, whitener = ood_ops.mahalanobis_inputs(gen, torch.float32, device, b=max(batch_sizes), d=d, c=1)
+        _, *edm_params = ood_ops.edm_inputs(gen, torch.float32, device, b=1, d=d, h=width, blocks=blocks,
+                                            levels=levels)
         for b in batch_sizes:
             ops = {"Mahalanobis": (lambda impl, xb=x[:b]: torch_kernels.mahalanobis_score(xb, means, whitener,
                                                                                          implementation=impl),
                                    ood_ops.score_flops(b, 1, d)),
-                   "EDM denoise": (lambda impl, xb=x[:b]: selftest._edm_run(xb, *edm_params, implementation=impl),
+                   "EDM denoise": (lambda impl, xb=x[:b]: ood_ops.edm_denoise_score(xb, *edm_params, implementation=impl),
                                    ood_ops.edm_score_flops(b, d, width, blocks, levels, False))}
             for backend in ("reference", "triton"):
                 for name, (call, flops) in ops.items():
@@ -364,18 +367,14 @@ def gpu_main(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes only, a few seconds per section")
+    parser = family_parser(__doc__.splitlines()[0], quick="small sizes only, a few seconds per section",
+                           gpu="benchmarks/gpu.sh's run (see gpu_main; with --device cpu: tiny, its dry run)",
+                           gpu_only=True)
     parser.add_argument("--clinc", type=pathlib.Path, default=ROOT / "torch_kernels" / "data" / "clinc150",
                         help="folder holding CLINC150's data_full.json (skipped if absent)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
     parser.add_argument("--interpreted-limit", type=float, default=20.0,
                         help="leave out interpreted calls estimated to take longer than this (s)")
     parser.add_argument("--edm-seeds", type=int, default=3, help="EDM fits (seeds 0, 1, ...) on CLINC150")
-    parser.add_argument("--gpu", action="store_true",
-                        help="benchmarks/gpu.sh's run (see gpu_main; with --device cpu: tiny, its dry run)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--gpu: where the inputs live")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="--gpu: folder for the .md, .json and .png")
     args = parser.parse_args(argv)
     if args.gpu:
         return gpu_main(args)

@@ -1,7 +1,6 @@
 """Ragged paged attention: decode, prefill and mixed batches against the device's roofline and peers.
 
-    python benchmarks/paged_attention.py [--quick] [--device cpu|cuda] [--out DIR] [--budget S]
-    python benchmarks/paged_attention.py --serving [--quick]      # one layer of a CPU serving step
+    python benchmarks/paged_attention.py [--quick | --gpu] [--device cpu|cuda] [--out DIR] [--budget S]
 
 In one run it measures the device's copy bandwidth (a large ``copy_``; GB/s counts the bytes read
 and the bytes written) and its matmul rate (a large matmul in the attention dtype), then times, on
@@ -23,24 +22,13 @@ throughput: above 1, ours is faster.
 run of the cases is a child process, so a kernel that faults costs only the call that faulted.
 Writes ``paged_attention{-quick,}.{md,json,png}`` to ``--out`` (default ``benchmarks/results``).
 
-``--serving`` times instead what a vLLM-style server pays per layer and step on the CPU, on
-SmolLM2-135M's heads (Hq 9, Hkv 3, D 64, block 16) in float32 and bfloat16: the step's new keys
-and values written and the batch attended (one fused ``ragged_paged_attention`` call, the op's
-checks included), for decode batches and chunked-prefill batches, on a vLLM-style cache tensor
-per layer (the halves of ``[num_blocks, block_size, Hkv, 2 * D]``, NHD, and of ``[num_blocks,
-Hkv, block_size, 2 * D]``, HND). The peer, where vLLM imports (run it with the Python of
-``scripts/setup_vllm.sh``'s environment), is vLLM's own CPU attention on its own cache layout:
-``cpu_attn_reshape_and_cache`` + ``cpu_attention_with_kv_cache``, its per-step scheduler
-metadata built outside the timing. With one thread (``--threads 1``, the default) a call's time is
-the CPU time of that thread, which other processes on a shared machine do not inflate; with more,
-the wall clock. Writes ``paged_attention-serving{-quick,}.{md,json}``.
+One layer of a CPU serving step against vLLM's CPU attention: benchmarks/serving.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -56,7 +44,8 @@ import traceback
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, machine_line, markdown_table, seconds_per_call  # noqa: E402
+from common import (MET, MISSED, NOT_MEASURED, cuda_missing, family_parser, goal_result, machine_line,  # noqa: E402
+                    markdown_table, seconds_per_call)
 
 import torch_kernels  # noqa: E402
 from torch_kernels import backends  # noqa: E402
@@ -66,6 +55,16 @@ SECTIONS = ("decode", "prefill", "mixed")
 DECODE_GOAL, PREFILL_GOAL = 0.85, 0.60  # of measured copy bandwidth, of measured matmul rate
 K = 1024
 GOAL_LIMIT_FACTOR = 4  # calls in the goal cases may take this many times the per-call limit
+
+BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
+    "gpu_step": {"position": 10, "cap_s": 90, "args": ["--time-limit", "60"],
+                 "autotuned": True, "autotune_args": ["--time-limit", "15"]},
+    "summary_position": 10,
+    "summary_goals": [["paged attention decode", ">= 85% of the measured copy bandwidth (decode 64 x 8k)"],
+                      ["paged attention prefill", ">= 60% of the measured matmul rate"]],
+    "quick_compile_group": "paged_attention-D128",
+    "bench": True,
+}
 
 
 # -------------------------------------------------------------------------------------- cases
@@ -749,32 +748,30 @@ class Report:
         return markdown_table(header + [f"{n} {unit} (ours/this)" for n in others], body)
 
     def goals(self) -> list:
+        """A line per goal case: decode's priority cases against the measured copy bandwidth, every
+        prefill case against the measured matmul rate."""
         cfg, cal, lines = self.cfg, self.calibration, []
         for c in cfg.cases:
-            s = self.seconds(c, self.ours)
             if c.section == "decode" and c.priority:
-                target = DECODE_GOAL * cal["copy_GBps"]
-                if s is None:
-                    lines.append({"case": c.key, "text": f"decode {c.label}, block {c.block_size}: no measurement"})
-                    continue
-                got = cfg.bytes(c) / s / 1e9
-                lines.append({"case": c.key, "achieved": got, "goal": target, "met": got >= target,
-                              "text": f"decode {c.label}, block {c.block_size}: {fmt(got)} GB/s = "
-                                      f"{got / cal['copy_GBps']:.0%} of the measured copy bandwidth "
-                                      f"{fmt(cal['copy_GBps'])} GB/s; goal {DECODE_GOAL:.0%} ({fmt(target)} GB/s): "
-                                      f"{'met' if got >= target else f'not met ({got / target:.0%} of it)'}"})
+                fraction, peak, unit, what, amount, scale = \
+                    DECODE_GOAL, cal["copy_GBps"], "GB/s", "copy bandwidth", cfg.bytes(c), 1e9
+                unmeasured = f"decode {c.label}, block {c.block_size}: no measurement"
             elif c.section == "prefill":
-                target = PREFILL_GOAL * cal["matmul_TFLOPs"]
-                if s is None:
-                    lines.append({"case": c.key, "text": f"prefill {c.label}: no measurement"})
-                    continue
-                got = cfg.flops(c) / s / 1e12
-                lines.append({"case": c.key, "achieved": got, "goal": target, "met": got >= target,
-                              "text": f"prefill {c.label}, block {c.block_size}: {fmt(got)} TFLOP/s = "
-                                      f"{got / cal['matmul_TFLOPs']:.0%} of the measured matmul rate "
-                                      f"{fmt(cal['matmul_TFLOPs'])} TFLOP/s; goal {PREFILL_GOAL:.0%} "
-                                      f"({fmt(target)} TFLOP/s): "
-                                      f"{'met' if got >= target else f'not met ({got / target:.0%} of it)'}"})
+                fraction, peak, unit, what, amount, scale = \
+                    PREFILL_GOAL, cal["matmul_TFLOPs"], "TFLOP/s", "matmul rate", cfg.flops(c), 1e12
+                unmeasured = f"prefill {c.label}: no measurement"
+            else:
+                continue
+            target, s = fraction * peak, self.seconds(c, self.ours)
+            if s is None:
+                lines.append({"case": c.key, "text": unmeasured})
+                continue
+            got = amount / s / scale
+            lines.append({"case": c.key, "achieved": got, "goal": target, "met": got >= target,
+                          "text": f"{c.section} {c.label}, block {c.block_size}: {fmt(got)} {unit} = "
+                                  f"{got / peak:.0%} of the measured {what} {fmt(peak)} {unit}; goal {fraction:.0%} "
+                                  f"({fmt(target)} {unit}): "
+                                  f"{'met' if got >= target else f'not met ({got / target:.0%} of it)'}"})
         return lines
 
     def markdown(self, runtime_s) -> str:
@@ -935,17 +932,35 @@ def progress_line(row, cfg, cases) -> str:
     return f"  {row['case']} | {row['impl']}: {s * 1e3:.3f} ms{extra}{diff}{note}"
 
 
+# ------------------------------------------------------------------------- the GPU script's summary
+
+
+def gpu_goals(data: dict) -> list:
+    """BENCHMARK's summary goals from ``paged_attention-gpu.json``: the goal lines of each section
+    against the copy and matmul rates this run measured."""
+    cal = data["calibration"]
+    results = []
+    for section, peak, unit in (("decode", cal["copy_GBps"], "GB/s"), ("prefill", cal["matmul_TFLOPs"], "TFLOP/s")):
+        lines = [g for g in data["goals"] if g["case"].startswith(section)]
+        measured = [g for g in lines if "achieved" in g]
+        if not measured:
+            results.append(goal_result(None, NOT_MEASURED, "; ".join(g["text"] for g in lines)
+                                       or "no goal case in this grid"))
+            continue
+        fractions = [g["achieved"] / peak for g in measured]
+        results.append(goal_result(f"{min(fractions):.0%} (worst of {len(fractions)})",
+                                   MET if all(g["met"] for g in measured) else MISSED,
+                                   "; ".join(f"{g['case']}: {g['achieved']:.4g} {unit} = {f:.0%}"
+                                             for g, f in zip(measured, fractions))))
+    return results
+
+
 # --------------------------------------------------------------------------------------- main
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few small cases (a CI smoke test)")
-    parser.add_argument("--gpu", action="store_true",
-                        help="benchmarks/gpu.sh's grid (with --device cpu: tiny, its dry run); writes -gpu files")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
+    parser = family_parser(__doc__.splitlines()[0], quick="a few small cases (a CI smoke test)",
+                           gpu="benchmarks/gpu.sh's grid (with --device cpu: tiny, its dry run); writes -gpu files")
     parser.add_argument("--call-limit", type=float, default=None,
                         help="leave out calls estimated to take longer than this (s)")
     parser.add_argument("--time-limit", type=float, default=None,
@@ -956,160 +971,7 @@ def parse(argv):
                         help="run the cases in worker processes, so a fault fails one call only (default: on cuda)")
     parser.add_argument("--hang", type=float, default=120.0, help="kill a worker silent this long (s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--serving", action="store_true",
-                        help="one layer of a CPU serving step on SmolLM2's heads, against vLLM's CPU attention")
-    parser.add_argument("--threads", type=int, default=1, help="--serving: torch threads (1: timed in CPU time)")
     return parser.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------- serving steps
-
-SERVING_HEADS = (9, 3, 64)  # SmolLM2-135M: Hq, Hkv, D
-SERVING_BLOCK = 16
-
-
-def serving_steps(quick: bool) -> list:
-    """(label, q_lens, kv_lens) of one step's batch: decodes with 100-1000 tokens of context, and
-    chunked prefill (prompt chunks of 32-256 tokens beside decodes)."""
-    rng = random.Random(0)
-    steps = []
-    for seqs in (8,) if quick else (8, 32):
-        steps.append((f"decode {seqs} x 100-1000", (1,) * seqs, tuple(rng.randint(100, 1000) for _ in range(seqs))))
-    mixes = [((64,), 7)] if quick else [((256, 256), 14), ((32, 64, 96, 128), 28)]
-    for chunks, decodes in mixes:
-        q_lens = chunks + (1,) * decodes
-        kv_lens = tuple(q + rng.randint(0, 512) for q in chunks) + tuple(rng.randint(100, 1000) for _ in range(decodes))
-        sizes = "-".join(map(str, sorted(set(chunks))))
-        steps.append((f"{len(chunks)} chunk{'s' if len(chunks) > 1 else ''} of {sizes} + {decodes} decodes",
-                      q_lens, kv_lens))
-    return steps
-
-
-def serving_inputs(q_lens, kv_lens, dtype, seed: int = 0) -> dict:
-    """A step's tensors: pages scattered over a pool with room to spare, the new tokens' slots."""
-    gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d = SERVING_HEADS
-    bs = SERVING_BLOCK
-    pages = [-(-kv // bs) for kv in kv_lens]
-    num_blocks = sum(pages) + 16
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    block_table = torch.zeros(len(kv_lens), max(pages), dtype=torch.int32)
-    for s, n in enumerate(pages):
-        block_table[s, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        del order[:n]
-    slots = [int(block_table[s, p // bs]) * bs + p % bs
-             for s, (q, kv) in enumerate(zip(q_lens, kv_lens)) for p in range(kv - q, kv)]
-    num_tokens = sum(q_lens)
-    return dict(num_blocks=num_blocks,
-                query=torch.randn(num_tokens, hq, d, generator=gen).to(dtype),
-                key=torch.randn(num_tokens, hkv, d, generator=gen).to(dtype),
-                value=torch.randn(num_tokens, hkv, d, generator=gen).to(dtype),
-                cu_q_lens=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
-                kv_lens=torch.tensor(kv_lens, dtype=torch.int32), block_table=block_table,
-                slot_mapping=torch.tensor(slots, dtype=torch.int64))
-
-
-def ours_serving(x: dict, dtype, head_major: bool):
-    """Our fused write + attention on the halves of one cache tensor per layer (NHD or HND)."""
-    _, hkv, d = SERVING_HEADS
-    shape = (x["num_blocks"], hkv, SERVING_BLOCK, 2 * d) if head_major else (x["num_blocks"], SERVING_BLOCK, hkv, 2 * d)
-    kv = torch.randn(shape).to(dtype)
-    key_cache, value_cache = kv[..., :d], kv[..., d:]
-    if head_major:
-        key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
-    return lambda: torch_kernels.ragged_paged_attention(
-        x["query"], key_cache, value_cache, x["cu_q_lens"], x["kv_lens"], x["block_table"], d ** -0.5,
-        key=x["key"], value=x["value"], slot_mapping=x["slot_mapping"])
-
-
-def vllm_cpu_serving(x: dict, dtype):
-    """vLLM's CPU attention backend's two calls on its own cache layout (keys then values in
-    each block and head)."""
-    from vllm import _custom_ops as vllm_ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    hq, hkv, d = SERVING_HEADS
-    isa = _get_attn_isa(dtype, SERVING_BLOCK, d, "auto")
-    kv = torch.randn(x["num_blocks"], hkv, 2 * SERVING_BLOCK, d).to(dtype)
-    key_cache, value_cache = kv.chunk(2, dim=2)
-    out = torch.empty_like(x["query"])
-    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
-        len(x["kv_lens"]), hq, hkv, d, x["kv_lens"], dtype, x["cu_q_lens"], True, -1, isa, False)
-
-    def step():
-        vllm_ops.cpu_attn_reshape_and_cache(x["key"], x["value"], key_cache, value_cache, x["slot_mapping"], isa)
-        vllm_ops.cpu_attention_with_kv_cache(x["query"], key_cache, value_cache, out, x["cu_q_lens"], x["kv_lens"],
-                                             d ** -0.5, True, None, -1, x["block_table"], 0.0, metadata, None)
-        return out
-    return step
-
-
-def vllm_status() -> str:
-    try:
-        import vllm
-        from vllm import _custom_ops  # noqa: F401
-
-        return f"vLLM {vllm.__version__}"
-    except Exception as e:
-        return f"not installed ({type(e).__name__}: {str(e)[:120]})"
-
-
-def thread_seconds_per_call(fn, budget_s: float) -> float:
-    """CPU time of this thread for one ``fn()``: the least over calls for ``budget_s`` of it (at
-    least three), after an untimed first call."""
-    fn()
-    best, spent, calls = math.inf, 0.0, 0
-    while calls < 3 or spent < budget_s:
-        start = time.thread_time()
-        fn()
-        took = time.thread_time() - start
-        best, spent, calls = min(best, took), spent + took, calls + 1
-    return best
-
-
-def serving_main(args) -> int:
-    """Times the serving steps (see the module docstring) and writes their table."""
-    torch.set_num_threads(args.threads)
-    peer = vllm_status()
-    clock = "thread CPU time" if args.threads == 1 else "wall clock"
-    print(f"# paged attention, serving steps: {machine_line()}; peer: {peer}; {clock}")
-    budget = args.budget or (0.2 if args.quick else 1.0)
-    timer = thread_seconds_per_call if args.threads == 1 else seconds_per_call
-    rows, records = [], []
-    for dtype in (torch.float32, torch.bfloat16):
-        for label, q_lens, kv_lens in serving_steps(args.quick):
-            x = serving_inputs(q_lens, kv_lens, dtype)
-            calls = {"ours, NHD halves": ours_serving(x, dtype, head_major=False),
-                     "ours, HND halves": ours_serving(x, dtype, head_major=True)}
-            if peer.startswith("vLLM"):
-                calls["vLLM CPU_ATTN"] = vllm_cpu_serving(x, dtype)
-            with torch.inference_mode():
-                ms = {name: timer(fn, budget) * 1e3 for name, fn in calls.items()}
-            peer_ms = ms.get("vLLM CPU_ATTN")
-            ratio = f"{peer_ms / ms['ours, NHD halves']:.2f}x" if peer_ms else "-"
-            rows.append([str(dtype).removeprefix("torch."), label, *(f"{ms[n]:.3g}" for n in calls),
-                         *(["-"] if peer_ms is None else []), ratio])
-            records.append({"dtype": str(dtype), "step": label, "q_lens": q_lens, "kv_lens": kv_lens, "ms": ms})
-            print(" | ".join(rows[-1]), flush=True)
-    header = ["dtype", "step (one layer)", "ours, NHD halves (ms)", "ours, HND halves (ms)", "vLLM CPU_ATTN (ms)",
-              "vLLM / ours (NHD)"]
-    md = "\n".join([
-        "# Paged attention: one layer of a CPU serving step (SmolLM2-135M heads)", "",
-        f"{machine_line()}; Hq, Hkv, D = {SERVING_HEADS}, block {SERVING_BLOCK}; peer: {peer}; times: {clock}.", "",
-        "Each time is the step's write of its new keys and values plus the attention of its batch: ours one fused "
-        "`ragged_paged_attention` call through the op (its checks included) on the halves of one cache tensor per "
-        "layer; vLLM's CPU backend's `cpu_attn_reshape_and_cache` + `cpu_attention_with_kv_cache` on its own layout "
-        "(scheduler metadata built outside the timing). Ratio above 1x: ours is faster.", "",
-        markdown_table(header, rows), ""])
-    suffix = "-quick" if args.quick else ""
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"paged_attention-serving{suffix}.md").write_text(md)
-    (args.out / f"paged_attention-serving{suffix}.json").write_text(json.dumps(
-        {"machine": machine_line(), "peer": peer, "clock": clock, "heads": SERVING_HEADS,
-         "block_size": SERVING_BLOCK, "steps": records}, indent=1))
-    print()
-    print(md)
-    return 0
 
 
 def main(argv=None) -> int:
@@ -1117,12 +979,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
         return worker(args)
-    if args.serving:
-        return serving_main(args)
     start = time.time()
     load = os.getloadavg()[0]
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     cfg = build_config(args)
     device = device_line(args.device)

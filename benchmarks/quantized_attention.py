@@ -17,7 +17,6 @@ float32 SDPA. Writes ``quantized_attention{-quick,-gpu,}.{md,json,png}`` to ``--
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -26,12 +25,23 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, machine_line, markdown_table, seconds_per_call  # noqa: E402
+from common import (MET, MISSED, NOT_MEASURED, cuda_missing, family_parser, goal_result,  # noqa: E402
+                    machine_line, markdown_table, seconds_per_call)
 
 import torch_kernels  # noqa: E402
 
 K = 1024
 GOAL = 1.5  # quantized over SDPA at N >= 4k, D = 128, on an H200 (the issue's goal)
+FP16_GATE = (0.999, 0.03)  # the accuracy gate for pv_dtype="fp16": cosine, relative L1 (issue 11)
+
+BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
+    "gpu_step": {"position": 20, "cap_s": 60, "autotuned": True},
+    "summary_position": 40,
+    "summary_goals": [["quantized attention vs SDPA",
+                       ">= 1.5x SDPA forward at N >= 4k, D = 128, within the fp16 gate"]],
+    "quick_compile_group": "quantized_attention-D64",
+    "bench": False,
+}
 
 
 def sizes(cuda: bool, quick: bool, gpu: bool = False):
@@ -136,17 +146,30 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def gpu_goals(data: dict) -> list:
+    """BENCHMARK's summary goal from ``quantized_attention-gpu.json``: ours over SDPA in forward time at
+    N >= 4k, D = 128, each case within the fp16 accuracy gate."""
+    rows = data["rows"]
+    sdpa = {(r["n"], r["d"], r["causal"]): r for r in rows if r["path"] == "sdpa"}
+    parts, ok = [], []
+    for r in rows:
+        if r["path"] == "ours" and r["n"] >= 4 * K and r["d"] == 128 and (r["n"], r["d"], r["causal"]) in sdpa:
+            speedup = sdpa[r["n"], r["d"], r["causal"]]["forward_s"] / r["forward_s"]
+            gated = r["cosine"] >= FP16_GATE[0] and r["relative_l1"] <= FP16_GATE[1]
+            ok.append(speedup >= GOAL and gated)
+            parts.append((speedup, f"N {r['n'] // K}k {'causal' if r['causal'] else 'full'}: {speedup:.2f}x, cosine "
+                          f"{r['cosine']:.5f}, rel L1 {r['relative_l1']:.4f}" + ("" if gated else " (outside the gate)")))
+    if not parts:
+        return [goal_result(None, NOT_MEASURED, "no case at N >= 4k, D = 128 in this run")]
+    return [goal_result(f"{min(s for s, _ in parts):.2f}x (worst)", MET if all(ok) else MISSED,
+                        "; ".join(text for _, text in parts))]
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one small size (a smoke test)")
-    parser.add_argument("--gpu", action="store_true",
-                        help="benchmarks/gpu.sh's sizes (with --device cpu: tiny, its dry run); writes -gpu files")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the .md, .json and .png")
+    parser = family_parser(__doc__.splitlines()[0], quick="one small size (a smoke test)",
+                           gpu="benchmarks/gpu.sh's sizes (with --device cpu: tiny, its dry run); writes -gpu files")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     cuda = args.device == "cuda"
     if not cuda:

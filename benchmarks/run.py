@@ -1,15 +1,20 @@
-"""Runs every benchmark script: ``python benchmarks/run.py [--quick]`` (or ``python -m torch_kernels bench``)."""
+"""Runs every benchmark script: ``python benchmarks/run.py [--quick]`` (or ``python -m torch_kernels bench``).
+
+Every family script whose ``BENCHMARK`` declares ``"bench": True`` (common.family_benchmarks), by name.
+"""
 
 import pathlib
 import subprocess
 import sys
 
-SCRIPTS = ["ood.py", "paged_attention.py", "linear_attention.py", "moe.py"]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # runpy.run_path does not add it
+from common import BENCHMARKS, declaring  # noqa: E402
 
 
 def main() -> int:
-    here = pathlib.Path(__file__).resolve().parent
-    failed = [s for s in SCRIPTS if subprocess.run([sys.executable, str(here / s), *sys.argv[1:]]).returncode != 0]
+    scripts = [f"{family}.py" for family, declared in declaring("bench") if declared["bench"]]
+    failed = [s for s in scripts
+              if subprocess.run([sys.executable, str(BENCHMARKS / s), *sys.argv[1:]]).returncode != 0]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

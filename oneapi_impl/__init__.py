@@ -10,7 +10,17 @@ from __future__ import annotations
 
 
 def unavailable_reason() -> str | None:
-    """``None`` if SYCL kernels can be built and run in this process, else why not."""
+    """``None`` if SYCL kernels can be built and run in this process, else why not: the toolchain
+    and device are there, and one kernel, built and run, agrees with its own reference math."""
     from . import _runtime
 
-    return _runtime.unavailable_reason()
+    reason = _runtime.unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        from . import ood
+
+        ood.self_check()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -144,6 +144,14 @@ static void multiply_tiles(__local float (*As)[TM_PAD], __local float (*Bs)[TN_P
     }
 }
 
+// Where this work-item's accumulator (i, j) of tile t, columns n0.., lands in a row-major output
+// `width` wide: its element index, or -1 past the expert's rows or the width.
+static long tile_output_index(tile_t t, uint n0, uint i, uint j, uint width) {
+    const long r = t.row0 + get_local_id(1) + WY * i;
+    const uint n = n0 + get_local_id(0) + WX * j;
+    return r < t.row_end && n < width ? r * width + n : -1;
+}
+
 // ---- grouped_mm ------------------------------------------------------------------------------
 
 // out[r] = a[r] @ W_e for the rows r of expert e, float32 accumulation; out rows past the last
@@ -166,15 +174,11 @@ __kernel void grouped_mm(__global const a_t *a, __global const w_t *w, __global 
         multiply_tiles(As, Bs, acc);
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    const uint tx = get_local_id(0), ty = get_local_id(1);
-    for (uint i = 0; i < RM; ++i) {
-        const long r = t.row0 + ty + WY * i;
-        if (r >= t.row_end) continue;
+    for (uint i = 0; i < RM; ++i)
         for (uint j = 0; j < RN; ++j) {
-            const uint n = n0 + tx + WX * j;
-            if (n < (uint)N) store_kind(out_kind, out, (ulong)r * N + n, acc[i][j]);
+            const long o = tile_output_index(t, n0, i, j, N);
+            if (o >= 0) store_kind(out_kind, out, o, acc[i][j]);
         }
-    }
 }
 
 // ---- grouped_mm_weight_grad --------------------------------------------------------------------
@@ -259,15 +263,11 @@ __kernel void gate_up(__global const a_t *x, __global const w_t *w13, __global c
         multiply_tiles(As, Us, up);
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    const uint tx = get_local_id(0), ty = get_local_id(1);
-    for (uint i = 0; i < RM; ++i) {
-        const long r = t.row0 + ty + WY * i;
-        if (r >= t.row_end) continue;
+    for (uint i = 0; i < RM; ++i)
         for (uint j = 0; j < RN; ++j) {
-            const uint n = n0 + tx + WX * j;
-            if (n < (uint)I) STORE(A_KIND, h, (ulong)r * I + n, activate(gate[i][j], up[i][j], activation));
+            const long o = tile_output_index(t, n0, i, j, I);
+            if (o >= 0) STORE(A_KIND, h, o, activate(gate[i][j], up[i][j], activation));
         }
-    }
 }
 
 // ---- dispatch and combine ----------------------------------------------------------------------

@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 
@@ -24,8 +25,66 @@ def smollm2():
     return models.load_smollm2(torch.float32)
 
 
+FULL_MATRIX = os.environ.get("TORCH_KERNELS_FULL_MATRIX") == "1"
+# where a kernel runs under an interpreter (Triton's, Pallas interpret mode, SYCL on the CPU) a call
+# costs seconds; the reference runs every combination
+INTERPRETED = ("triton", "pallas", "sycl")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "covering(strength=2): on the interpreted backends, run a covering share of this test's other "
+                   "parameters (every combination of `strength` of their values at least once: every pair by "
+                   "default); TORCH_KERNELS_FULL_MATRIX=1 runs every combination")
+
+
 def pytest_collection_modifyitems(items):
     # with --dist loadgroup, tests of one xdist group share a worker: SmolLM2 is loaded once
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("smollm2"))
+    if not FULL_MATRIX:
+        _skip_outside_covering_shares(items)
+
+
+def _skip_outside_covering_shares(items) -> None:
+    """Skip, on each interpreted backend, the combinations of a ``covering`` test outside a greedy
+    covering set: with strength 2, every value of every parameter and every pair of values of two
+    parameters still runs on that backend."""
+    groups: dict[tuple, list] = {}
+    for item in items:
+        marker = item.get_closest_marker("covering")
+        if marker is None or not hasattr(item, "callspec"):
+            continue
+        backend = item.callspec.params.get("backend")
+        if backend is not None and backend not in INTERPRETED:
+            continue
+        # one id per parametrize decorator: arguments parametrized together ("dtype, cache_dtype") are one
+        # parameter, whose rows are covered as written
+        ids = list(item.callspec._idlist)
+        if backend is not None:
+            ids.remove(backend)
+        values = tuple(enumerate(ids))
+        strength = marker.kwargs.get("strength", 2)
+        groups.setdefault((item.originalname, item.path, backend, strength), []).append((item, values))
+    for (_, _, backend, strength), members in groups.items():
+        for item in _outside_covering_share(members, strength):
+            item.add_marker(pytest.mark.skip(
+                reason=f"outside CI's covering share of this test's parameters on {backend or 'this backend'} "
+                       "(TORCH_KERNELS_FULL_MATRIX=1 runs every combination)"))
+
+
+def _outside_covering_share(members: list, strength: int) -> list:
+    """The items not needed to cover every combination of ``strength`` parameter values, chosen
+    greedily (the one covering most of what is left, the first of equals)."""
+    def combinations(values):
+        return {c for n in range(1, strength + 1) for c in itertools.combinations(values, n)}
+
+    covers = [combinations(values) for _, values in members]
+    uncovered = set().union(*covers)
+    chosen = set()
+    while uncovered:
+        best = max(range(len(members)), key=lambda i: len(covers[i] & uncovered))
+        chosen.add(best)
+        uncovered -= covers[best]
+    return [item for i, (item, _) in enumerate(members) if i not in chosen]

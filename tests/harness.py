@@ -9,6 +9,8 @@
   names, FLOP formulas).
 - ``tiny_llama``: a small random model for the serving loop.
 - ``run_isolated``: code that changes process-wide state (torchax) runs in a process of its own.
+- ``assert_lowers_for_tpu``, ``assert_compiles_for_tpu_generations``: a Pallas kernel through
+  Mosaic's TPU lowering, and through the TPU compiler ahead of time (with libtpu), on this CPU.
 """
 
 from __future__ import annotations
@@ -114,3 +116,96 @@ def run_isolated(code: str) -> str:
                             cwd=tests.parent, env={**os.environ, "PYTHONPATH": path}, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+
+FUZZ_SCALE = int(os.environ.get("TORCH_KERNELS_FUZZ_EXAMPLES", "1"))
+# Pallas compiles every new shape (seconds each in interpret mode), the Triton interpreter is slow.
+FUZZ_EXAMPLES = {"reference": 40, "triton": 8, "pallas": 4, "sycl": 12}
+
+
+def fuzz_settings(backend: str):
+    """Hypothesis settings of the families' randomized tests (``tests/test_<family>_fuzz.py``) on
+    ``backend``: few examples in CI (the interpreters are slow), ``TORCH_KERNELS_FUZZ_EXAMPLES=N``
+    times more for a longer hunt; derandomized, so a CI failure reproduces; shrinking on the
+    reference only."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(max_examples=FUZZ_EXAMPLES[backend] * FUZZ_SCALE, deadline=None, derandomize=True, database=None,
+                    phases=(Phase.explicit, Phase.generate, Phase.shrink) if backend == "reference"
+                    else (Phase.explicit, Phase.generate),
+                    suppress_health_check=list(HealthCheck))
+
+
+FLOAT32_BYTES = 4
+
+
+def profiled(fn, **kwargs):
+    """(the profile, fn's result) of ``fn`` run inside ``torch_kernels.profile`` (no calibration)."""
+    import torch_kernels
+
+    with torch_kernels.profile(calibrate=False, **kwargs) as prof:
+        out = fn()
+    return prof, out
+
+
+def only_row(prof, op: str) -> dict:
+    """The one row of ``op`` in a profile."""
+    rows = [r for r in prof.rows if r["op"] == op]
+    assert len(rows) == 1, f"{op}: {prof.rows}"
+    return rows[0]
+
+
+def nbytes(*tensors) -> int:
+    """Bytes of the tensors (None counts nothing)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def random_tensor(*shape, seed=0, dtype=torch.float32) -> torch.Tensor:
+    """A standard normal tensor of ``shape`` from generator seed ``seed``, in ``dtype``."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_lowers_for_tpu(fn, args) -> None:
+    """``fn`` exports for TPU through Mosaic's lowering on this CPU, which enforces the TPU
+    block-shape rules; ``args`` are arrays or ``jax.ShapeDtypeStruct``s."""
+    import jax
+
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+TPU_GENERATIONS = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")
+
+# {module}._lowerings(): {name: (function, its argument shapes)}
+_TPU_COMPILE_CHECK = """
+import jax
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from {module} import _lowerings
+
+cases = _lowerings()
+for generation in {generations!r}:
+    sharding = SingleDeviceSharding(topologies.get_topology_desc(platform="tpu", topology_name=generation).devices[0])
+    for name in {names!r} or cases:
+        fn, shapes = cases[name]
+        args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+        jax.jit(fn).trace(*args).lower().compile()
+    print(generation, "compiled")
+"""
+
+
+def assert_compiles_for_tpu_generations(monkeypatch, module: str, names=()) -> None:
+    """The lowerings of test module ``module`` (its ``_lowerings()``; only ``names`` when given) through
+    Mosaic and the TPU compiler ahead of time for each of TPU_GENERATIONS, no TPU needed: they reject
+    what the export lets through (float16 vectors, unaligned slices). Needs libtpu, which the project
+    does not install: set TORCH_KERNELS_LIBTPU to a folder holding it (for example
+    ``pip install --no-deps --target DIR libtpu``); skipped otherwise."""
+    folder = os.environ.get("TORCH_KERNELS_LIBTPU")
+    if not folder:
+        pytest.skip("set TORCH_KERNELS_LIBTPU to a folder with libtpu installed to compile for real TPUs")
+    monkeypatch.setenv("PYTHONPATH", folder)
+    for name, value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                        ("TPU_SKIP_MDS_QUERY", "1")):
+        monkeypatch.setenv(name, value)
+    out = run_isolated(_TPU_COMPILE_CHECK.format(module=module, generations=TPU_GENERATIONS, names=tuple(names)))
+    assert out.count("compiled") == len(TPU_GENERATIONS), out

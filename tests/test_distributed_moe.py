@@ -234,9 +234,9 @@ def bad_calls(rank, world):
         "over capacity": lambda: torch_kernels.moe_dispatch(x, ids, E, group=group, max_tokens_per_rank=3),
         "capacity type": lambda: torch_kernels.moe_dispatch(x, ids, E, group=group, max_tokens_per_rank=2.5),
         "dispatch dtype": lambda: torch_kernels.moe_dispatch(x, ids, E, group=group, dispatch_dtype=torch.int8),
-        "not a group": lambda: exchange.moe_dispatch(x, ids, E, "world"),
-        "tokens on an expert-only rank": lambda: exchange.moe_dispatch(x, ids, E, group, token_ranks=[1 - rank]),
-        "unsorted ranks": lambda: exchange.moe_dispatch(x, ids, E, group, expert_ranks=[1, 0]),
+        "not a group": lambda: exchange.dispatch_across_ranks(x, ids, E, "world"),
+        "tokens on an expert-only rank": lambda: exchange.dispatch_across_ranks(x, ids, E, group, token_ranks=[1 - rank]),
+        "unsorted ranks": lambda: exchange.dispatch_across_ranks(x, ids, E, group, expert_ranks=[1, 0]),
         "ids out of range": lambda: torch_kernels.moe_dispatch(x, ids + E, E, group=group),
     }
     rows, offsets, handle = torch_kernels.moe_dispatch(x, ids, E, group=group)
@@ -308,7 +308,7 @@ def mismatched_calls(rank, world):
         "max_tokens_per_rank on one rank": lambda: dispatch(inputs(), max_tokens_per_rank=16 if odd else None),
         "top_k in fixed capacity": lambda: dispatch(inputs(k=1 if odd else K), **fixed),
         "dispatch_dtype": lambda: dispatch(inputs(), dispatch_dtype=torch.float8_e4m3fn if odd else None),
-        "expert_ranks": lambda: exchange.moe_dispatch(*inputs(), E, group, expert_ranks=[0] if odd else None),
+        "expert_ranks": lambda: exchange.dispatch_across_ranks(*inputs(), E, group, expert_ranks=[0] if odd else None),
         "tokens over capacity on one rank": lambda: dispatch(inputs(tokens=20 if odd else 4), **fixed),
         "expert ids out of range on one rank": lambda: dispatch((x_ok, ids_ok + E * odd)),
         "combine width": lambda: combine(widen=odd),

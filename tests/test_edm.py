@@ -17,7 +17,8 @@ from torch_kernels.ops import ood as ood_ops
 from torch_kernels.reference import ood as reference
 
 from harness import (
-    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend, run_opcheck,
+    FLOAT32_BYTES, assert_close, backend_params, compiled_fullgraph, counted_flops, only_row, profiled, profiled_names,
+    require_backend, run_opcheck,
 )
 
 OP = "edm_score"
@@ -163,6 +164,7 @@ BACKEND_CASES = [(shape, torch.float32) for shape in SHAPES] + [
     (SHAPES[1], torch.float16), (SHAPES[1], torch.bfloat16)]
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
 @pytest.mark.parametrize("statistic", STATISTICS)
 @pytest.mark.parametrize("shape, dtype", BACKEND_CASES, ids=str)
@@ -619,3 +621,19 @@ def test_evaluate_takes_either_scorer(small_scorer):
         with torch.no_grad():
             assert metrics == ood_metrics(each.score(data[50:150]), each.score(far))
         assert metrics.auroc == 1.0 and metrics.fpr95 == 0.0
+
+
+# ---- the byte formula, against counts made here ----
+
+def test_edm_bytes_match_the_analytic_count():
+    b, d, h, k, levels = 9, 6, 8, 2, 3
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(d,), (d,), (levels, d), (levels,), (levels, h), (d, h), (k, h, h), (k, h), (k, h, h), (k, h),
+              (h, d), (d,)]
+    params = [torch.rand(*s, generator=gen) * 0.3 + 0.1 for s in shapes]
+    x = torch.randn(b, d, generator=gen)
+    sigmas = [0.2, 0.6, 1.8]
+    prof, _ = profiled(lambda: torch_kernels.edm_score(x, *params, sigmas, 0.8, "scoped"))
+    row = only_row(prof, "edm_score")
+    assert row["bytes"] == ood_ops.edm_score_bytes(b, d, h, k, levels, FLOAT32_BYTES, FLOAT32_BYTES)
+    assert row["flops"] == ood_ops.edm_score_flops(b, d, h, k, levels, True)

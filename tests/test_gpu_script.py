@@ -6,15 +6,22 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import pkgutil
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FAMILIES = ("paged_attention", "linear_attention", "moe", "quantized_attention", "ood")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import declaring  # noqa: E402
+
+# every op family (a module of torch_kernels/ops, read from the folder: no torch import) has a GPU step
+FAMILIES = tuple(sorted(info.name for info in pkgutil.iter_modules([str(ROOT / "torch_kernels" / "ops")])
+                        if not info.name.startswith("_")))
 FILES = ("summary.md", "summary.json", "steps.tsv", "doctor.txt", "device_tests.txt",
          *(f"{family}-gpu.{ext}" for family in FAMILIES for ext in ("md", "json", "png")))
-GOALS = ("paged attention decode", "paged attention prefill", "Gated DeltaNet vs fla", "grouped_mm vs matmul rate",
-         "fused_moe vs unfused", "quantized attention vs SDPA")
+# the goals the family scripts declare, in the summary's order
+GOALS = tuple(goal for _, declared in declaring("summary_goals", order="summary_position")
+              for goal, _ in declared["summary_goals"])
 
 
 def test_dry_run_writes_every_file_and_every_goal(tmp_path):
@@ -52,3 +59,16 @@ def test_dry_run_writes_every_file_and_every_goal(tmp_path):
     assert summary["peaks"]["copy_GBps"] > 0 and summary["peaks"]["matmul_TFLOPs"] > 0
     text = (out / "summary.md").read_text()
     assert all(goal in text for goal in GOALS)
+
+
+def test_family_scripts_declare_the_gpu_steps():
+    """gpu.sh's family steps are those the family scripts declare (benchmarks/common.py lists them): one per
+    family, each with its autotuning pass, and the dry run tunes one family only."""
+    def listed(*args):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "common.py"), "gpu-steps", *args],
+                              capture_output=True, text=True, timeout=60, check=True)
+        return [line.split("\t")[0] for line in done.stdout.splitlines()]
+
+    assert sorted(listed("bench")) == sorted(FAMILIES)
+    assert listed("autotune") == listed("bench")
+    assert len(listed("autotune", "--dry-run")) == 1

@@ -22,7 +22,8 @@ from torch import nn
 
 import torch_kernels
 from harness import (
-    assert_compiled_matches_eager, backend_params, counted_flops, profiled_names, require_backend, run_opcheck,
+    FLOAT32_BYTES, assert_compiled_matches_eager, backend_params, counted_flops, nbytes, only_row, profiled,
+    profiled_names, random_tensor, require_backend, run_opcheck,
 )
 from torch_kernels import backends
 from torch_kernels.reference import linear_attention as reference
@@ -215,6 +216,7 @@ def spiky_gate(length, heads, spike, every=7):
     return g
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("spike", [-50.0, -1e4, float("-inf")], ids=["g-50", "g-1e4", "g-inf"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
@@ -232,6 +234,7 @@ def test_strong_decay_keeps_float32_precision(backend, op, spike):
     assert not bad, f"relative RMSE above 1e-5: {bad}"
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("where", ["q", "v", "g"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA))
@@ -385,3 +388,15 @@ def test_default_scale_and_optional_final_state():
     o, ht = torch_kernels.chunk_gated_delta_rule(**{**x, "scale": None})
     assert ht is None
     torch.testing.assert_close(o, run_op(CHUNK_DELTA, {**x, "scale": 32 ** -0.5})[0])
+
+
+# ---- the byte formula, against counts made here ----
+
+def test_linear_attention_bytes_are_every_input_and_output():
+    batch, length, heads, k_dim, v_dim = 1, 9, 2, 8, 4
+    q, k = random_tensor(batch, length, heads, k_dim, seed=8), random_tensor(batch, length, heads, k_dim, seed=9)
+    v = random_tensor(batch, length, heads, v_dim, seed=10)
+    g = -0.1 * torch.rand(batch, length, heads, generator=torch.Generator().manual_seed(11))
+    prof, (o, _) = profiled(lambda: torch_kernels.chunk_simple_gla(q, k, v, g, output_final_state=True))
+    state = batch * heads * k_dim * v_dim * FLOAT32_BYTES  # the final state, float32, always written
+    assert only_row(prof, "chunk_simple_gla")["bytes"] == nbytes(q, k, v, g, o) + state

@@ -23,7 +23,7 @@ import torch_kernels
 from torch_kernels import backends
 from torch_kernels.reference import linear_attention as reference
 
-from harness import require_backend, run_isolated
+from harness import assert_lowers_for_tpu, require_backend, run_isolated
 
 pytestmark = pytest.mark.usefixtures("pallas")
 
@@ -134,27 +134,26 @@ def _offsets(case):
     return None if case[7] is None else np.array(case[7])
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_chunk_gated_delta_rule_matches_naive(case):
-    kernels = _kernels()
-    inputs, do, dht, l2norm, want = problem(case)
+def assert_delta_rule_matches_naive(kernel: str, case, alike_keys: bool = False) -> None:
+    """jax_impl's gated delta rule ``kernel``, output, final state and gradients, against the naive recurrence."""
+    delta_rule = getattr(_kernels(), kernel)
+    inputs, do, dht, l2norm, want = problem(case, alike_keys=alike_keys)
 
     def fn(q, k, v, g, beta, h0):
-        return kernels.chunk_gated_delta_rule(q, k, v, g, beta, SCALE, h0, _offsets(case), l2norm)
+        return delta_rule(q, k, v, g, beta, SCALE, h0, _offsets(case), l2norm)
 
     assert_matches(case[0], *jax_vjp(fn, inputs, do, dht), *want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_chunk_gated_delta_rule_matches_naive(case):
+    assert_delta_rule_matches_naive("chunk_gated_delta_rule", case)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=[CASE_IDS[1], CASE_IDS[4]])
 def test_chunk_delta_rule_with_keys_all_alike(case):
     """Identical unit keys and beta near 1: (I + A)^{-1} stays small, but A's powers are huge."""
-    kernels = _kernels()
-    inputs, do, dht, l2norm, want = problem(case, alike_keys=True)
-
-    def fn(q, k, v, g, beta, h0):
-        return kernels.chunk_gated_delta_rule(q, k, v, g, beta, SCALE, h0, _offsets(case), l2norm)
-
-    assert_matches(case[0], *jax_vjp(fn, inputs, do, dht), *want)
+    assert_delta_rule_matches_naive("chunk_gated_delta_rule", case, alike_keys=True)
 
 
 GLA_CASES = [(c, True) for c in CASES if c[3] == c[4]] + [(CASES[3], False)]  # GLA has no grouped heads
@@ -174,13 +173,7 @@ def test_chunk_simple_gla_matches_naive(case, gated):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=[CASE_IDS[0], CASE_IDS[2], CASE_IDS[4]])
 def test_fused_recurrent_matches_naive(case):
-    kernels = _kernels()
-    inputs, do, dht, l2norm, want = problem(case)
-
-    def fn(q, k, v, g, beta, h0):
-        return kernels.fused_recurrent_gated_delta_rule(q, k, v, g, beta, SCALE, h0, _offsets(case), l2norm)
-
-    assert_matches(case[0], *jax_vjp(fn, inputs, do, dht), *want)
+    assert_delta_rule_matches_naive("fused_recurrent_gated_delta_rule", case)
 
 
 def _op_grads(fn, inputs, do, dht, **kwargs):
@@ -274,8 +267,7 @@ def test_lowers_for_tpu_forward_and_backward(form):
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht ** 2)
 
     for fn in (forward, jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))):
-        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes)
-        assert "tpu_custom_call" in exported.mlir_module()
+        assert_lowers_for_tpu(fn, shapes)
 
 
 def test_torchax_tensors_run_pallas_with_gradients():

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 import torch_kernels
 from harness import (
-    assert_close, assert_compiled_matches_eager, backend_params, counted_flops, profiled_names, require_backend,
-    run_opcheck,
+    FLOAT32_BYTES, assert_close, assert_compiled_matches_eager, backend_params, counted_flops, nbytes, only_row,
+    profiled, profiled_names, random_tensor, require_backend, run_opcheck,
 )
 from torch_kernels import backends
 from torch_kernels.reference import moe as reference
@@ -206,6 +206,7 @@ def rule_case(inputs, scoring):
     return logits, top_k, kwargs
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("scoring", RULE_SCORINGS)
 @pytest.mark.parametrize("inputs", RULE_INPUTS)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -310,6 +311,7 @@ def random_offsets(rows: int, experts: int, gen, empty_every: int = 3) -> torch.
     return counts.cumsum(0).to(torch.int32)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w-transposed-view"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -366,7 +368,7 @@ def test_grouped_mm_gradients(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_mm_empty_products(backend):
     """N = 0 gives [M, 0], K = 0 zeros, no experts and no rows [0, N]: the same on every backend,
-    gradients included (no expert for M > 0 rows is a bad input, in tests/bad_inputs.py)."""
+    gradients included (no expert for M > 0 rows is a bad input, in tests/families/moe.py)."""
     require_backend(backend)
     offsets = torch.tensor([2, 2, 7, 9], dtype=torch.int32)
     cases = {"N 0": (torch.randn(10, 16), torch.randn(4, 16, 0), offsets),
@@ -386,6 +388,7 @@ def fused_definition(x, w13, w2, weights, ids, activation="silu", w13_scale=None
     return reference.fused_moe_naive(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, block_shape)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -398,6 +401,7 @@ def test_fused_moe_matches_definition(backend, shape, activation):
     assert_close(out, want, torch.float32, what=f"{shape} {activation}")
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ROUTINGS)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -449,6 +453,7 @@ def quantize_fp8(w: torch.Tensor, block_shape=None):
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("block_shape", [None, (16, 32)], ids=["per-channel", "blocks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -589,3 +594,41 @@ def test_flop_counter_counts_the_ops():
     offsets = torch.tensor([3, 3, 9], dtype=torch.int32)
     w = torch.randn(3, 33, 7)
     assert counted_flops(lambda: torch_kernels.grouped_mm(torch.randn(12, 33), w, offsets)) == 2 * 9 * 33 * 7
+
+
+# ---- the byte formula, against counts made here ----
+
+def test_moe_bytes_count_routed_rows_and_used_experts():
+    tokens, hidden, inter, experts = 4, 6, 5, 4
+    x = random_tensor(tokens, hidden, seed=13)
+    ids = torch.tensor([[0, 2], [-1, -1], [2, 0], [0, -1]], dtype=torch.int32)  # token 1 dropped; expert 1, 3 idle
+    weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(14))
+    routed_tokens, routed_slots, used_experts = 3, 5, 2
+
+    def moe_layer():
+        rows, offsets, handle = torch_kernels.moe_dispatch(x, ids, experts)
+        w = random_tensor(experts, hidden, inter, seed=15)
+        y = torch_kernels.grouped_mm(rows, w, offsets)
+        return rows, offsets, w, y, torch_kernels.moe_combine(y, handle, weights)
+
+    prof, (rows, offsets, w, y, out) = profiled(moe_layer)
+    handle_bytes = tokens * 2 * 8  # int64 sorted-row -> token map
+    assert only_row(prof, "moe_gather")["bytes"] == (routed_tokens * hidden * FLOAT32_BYTES + handle_bytes
+                                                     + nbytes(rows))
+    assert only_row(prof, "grouped_mm")["bytes"] == (routed_slots * hidden * FLOAT32_BYTES
+                                                     + used_experts * hidden * inter * FLOAT32_BYTES
+                                                     + nbytes(offsets, y))
+    assert only_row(prof, "grouped_mm")["flops"] == 2 * routed_slots * hidden * inter
+    combine = only_row(prof, "moe_combine")
+    assert combine["bytes"] == routed_slots * inter * FLOAT32_BYTES + tokens * 2 * 8 + nbytes(weights, out)
+    assert combine["flops"] == 2 * routed_slots * inter
+
+    w13, w2 = random_tensor(experts, 2 * inter, hidden, seed=16), random_tensor(experts, hidden, inter, seed=17)
+    prof, out = profiled(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids))
+    fused = only_row(prof, "fused_moe")
+    assert fused["bytes"] == nbytes(x, weights, ids, out) + used_experts * 3 * inter * hidden * FLOAT32_BYTES
+    assert fused["flops"] == counted_flops(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids))
+
+    logits = random_tensor(tokens, experts, seed=18)
+    prof, (topk_weights, topk_ids) = profiled(lambda: torch_kernels.router_topk(logits, 2))
+    assert only_row(prof, "router_topk")["bytes"] == nbytes(logits, topk_weights, topk_ids)

@@ -25,7 +25,7 @@ import torch
 import torch_kernels
 from torch_kernels.reference import moe as reference
 
-from harness import require_backend
+from harness import assert_compiles_for_tpu_generations, assert_lowers_for_tpu, require_backend
 
 pytestmark = pytest.mark.usefixtures("pallas")
 
@@ -39,9 +39,9 @@ def pallas():
 
 
 def _interop():
-    from torch_kernels import _jax_interop
+    from torch_kernels.pallas import moe
 
-    return _jax_interop
+    return moe
 
 
 def max_error(out, expected) -> float:
@@ -244,7 +244,7 @@ ENDS = [0, 17, 17, 40, 41, 60]  # experts straddling row tiles, empty ones, 10 r
 
 def _jax_call(fn, *args, **kwargs):
     """``fn`` of jax_impl.moe on torch tensors (int64 as int32), its result as a torch tensor."""
-    from torch_kernels._jax_interop import to_jax, to_torch
+    from torch_kernels.pallas.torch_tensors import to_jax, to_torch
 
     def convert(a):
         return to_jax(a.int() if a.dtype == torch.int64 else a) if isinstance(a, torch.Tensor) else a
@@ -350,44 +350,9 @@ LOWERINGS = ["router_topk", "moe_gather", "moe_combine", "grouped_mm", "grouped_
 
 @pytest.mark.parametrize("name", LOWERINGS)
 def test_lowers_for_tpu(name):
-    import jax
-
-    fn, args = _lowerings()[name]
-    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
-MOSAIC_CHECK = """
-import jax
-from jax.experimental import topologies
-from jax.sharding import SingleDeviceSharding
-from test_moe_pallas import LOWERINGS, _lowerings
-
-for generation in ("v5e:2x2", "v6e:2x2", "v5p:2x2x1"):
-    sharding = SingleDeviceSharding(topologies.get_topology_desc(platform="tpu", topology_name=generation).devices[0])
-    for name in LOWERINGS:
-        fn, args = _lowerings()[name]
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-        jax.jit(fn).trace(*args).lower().compile()
-    print(generation, "compiled")
-"""
+    assert_lowers_for_tpu(*_lowerings()[name])
 
 
 def test_mosaic_compiles_for_tpu_generations(monkeypatch):
-    """The lowerings above through Mosaic and the TPU compiler (ahead of time, no TPU needed), which
-    reject what the export lets through (float16 vectors, unaligned slices). Needs libtpu, which
-    the project does not install: set TORCH_KERNELS_LIBTPU to a folder holding it (for example
-    ``pip install --no-deps --target DIR libtpu``); skipped otherwise."""
-    import os
-
-    from harness import run_isolated
-
-    folder = os.environ.get("TORCH_KERNELS_LIBTPU")
-    if not folder:
-        pytest.skip("set TORCH_KERNELS_LIBTPU to a folder with libtpu installed to compile for real TPUs")
-    monkeypatch.setenv("PYTHONPATH", folder)
-    for name, value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("TPU_SKIP_MDS_QUERY", "1")):
-        monkeypatch.setenv(name, value)
-    out = run_isolated(MOSAIC_CHECK)
-    assert out.count("compiled") == 3, out
+    """The lowerings above through Mosaic and the TPU compiler, with libtpu (harness)."""
+    assert_compiles_for_tpu_generations(monkeypatch, "test_moe_pallas", LOWERINGS)

@@ -1,4 +1,5 @@
-"""Every op's Triton kernels on one device's tensors, against the reference backend on that device.
+"""Every op's Triton kernels on one device's tensors, against the reference backend on that device:
+the cases each family declares (``DEVICE_CASES`` in ``tests/families``).
 
 ``TORCH_KERNELS_TEST_DEVICE`` (default ``cpu``) names the device. On ``cuda`` the Triton kernels
 run compiled, in float32, float16 and bfloat16, forward and (where the op is differentiable)
@@ -20,197 +21,23 @@ differentiable input, under the same rule.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Callable
 
 import pytest
 import torch
 
-import torch_kernels
+import families
+from families import CUDA, DEVICE, DeviceCase
 from harness import assert_close, require_backend
-from torch_kernels import backends, selftest
+from torch_kernels import backends
 from torch_kernels.selftest import TOLERANCES
 
-DEVICE = torch.device(os.environ.get("TORCH_KERNELS_TEST_DEVICE", "cpu"))
 # Unset, on CPU, the comparisons would repeat the families' interpreter tests in the main run;
 # benchmarks/gpu.sh sets it (its dry run, in tests/test_gpu_script.py, to cpu).
 device_chosen = pytest.mark.skipif("TORCH_KERNELS_TEST_DEVICE" not in os.environ,
                                    reason="TORCH_KERNELS_TEST_DEVICE unset: on CPU the families' own tests cover this")
-CUDA = DEVICE.type == "cuda"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) if CUDA else (torch.float32,)
-FP8 = torch.float8_e4m3fn
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceCase:
-    name: str
-    op: str  # the registered op whose backend is checked
-    make: Callable  # (generator, dtype, device) -> inputs
-    run: Callable  # (*inputs, implementation=) -> a tensor or a tuple of tensors
-    grads: tuple = ()  # positions of the inputs that get gradients (empty: inference only)
-    wide: torch.dtype = torch.float64  # float32 inputs widen to this for the truth
-    exact: tuple = ()  # positions of the outputs that must match exactly
-    large: bool = False  # a size only a GPU reaches
-    capability: tuple | None = None  # the least CUDA compute capability it needs
-    dtypes: tuple | None = None  # None: DTYPES; GPU-only cases run in bfloat16
-    coarsest: torch.dtype | None = None  # an inner rounding (fp16 P.V): its tolerance when looser
-    gate: tuple | None = None  # (min cosine, max relative L1) instead of the tolerance (fp8 P.V)
-
-    def tolerance_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        if self.coarsest is not None and TOLERANCES[self.coarsest][0] > TOLERANCES[dtype][0]:
-            return self.coarsest
-        return dtype
-
-    @property
-    def gpu_only(self) -> bool:
-        return self.large or self.capability is not None
-
-
-def sized(maker, **sizes):
-    return lambda gen, dtype, device: maker(gen, dtype, device, **sizes)
-
-
-def interpreter_sizes(**sizes) -> dict:
-    """``sizes`` under the interpreter (its cost is per step), none (selftest's) on a GPU."""
-    return {} if CUDA else sizes
-
-
-# ---------------------------------------------------------------------------------- runners
-
-
-def linear_attention_run(op: str):
-    delta = op != "chunk_simple_gla"
-    public = getattr(torch_kernels, op)
-
-    def run(*inputs, implementation=None):
-        *tensors, h0, cu = inputs
-        kwargs = {"use_qk_l2norm_in_kernel": True} if delta else {}
-        return public(*tensors, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                      implementation=implementation, **kwargs)
-
-    return run
-
-
-def paged_attention_run(*inputs, implementation=None):
-    *tensors, k_scale, v_scale = inputs if len(inputs) == 9 else (*inputs, None, None)
-    return torch_kernels.ragged_paged_attention(*tensors, k_scale=k_scale, v_scale=v_scale,
-                                                implementation=implementation)
-
-
-def fp8_caches(maker):
-    """``maker``'s paged-attention inputs with the caches in float8_e4m3fn and per-head scales."""
-    def make(gen, dtype, device):
-        query, key_cache, value_cache, *rest = maker(gen, dtype, device)
-        quantized, scales = [], []
-        for cache in (key_cache, value_cache):
-            scale = cache.float().abs().amax(dim=(0, 1, 3)) / torch.finfo(FP8).max
-            quantized.append((cache.float() / scale[:, None]).to(FP8))
-            scales.append(scale)
-        return (query, *quantized, *rest, *scales)
-    return make
-
-
-def reshape_and_cache_run(key, value, key_cache, value_cache, slots, *scales, implementation=None):
-    key_cache, value_cache = key_cache.clone(), value_cache.clone()
-    torch_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots, *scales, implementation=implementation)
-    return key_cache, value_cache
-
-
-def fp8_write(gen, dtype, device):
-    key, value, key_cache, value_cache, slots = selftest.reshape_and_cache_inputs(gen, dtype, device)
-    scale = torch.tensor([0.01, 0.02], device=device)
-    return key, value, key_cache.to(FP8), value_cache.to(FP8), slots, scale, scale * 2
-
-
-def router_run(scoring: str, top_k: int, **groups):
-    def run(logits, bias, implementation=None):
-        return torch_kernels.router_topk(logits, top_k, scoring=scoring, correction_bias=bias if groups else None,
-                                         implementation=implementation, **groups)
-    return run
-
-
-def dispatch_combine_run(x, w13, w2, weights, ids, implementation=None):
-    """The dispatched rows (moe_gather) and their weighted sum back per token (moe_combine)."""
-    rows, _, handle = torch_kernels.moe_dispatch(x, ids, w13.shape[0], implementation=implementation)
-    return rows, torch_kernels.moe_combine(rows, handle, weights, implementation=implementation)
-
-
-def fused_moe_run(x, w13, w2, weights, ids, implementation=None):
-    return torch_kernels.fused_moe(x, w13, w2, weights, ids, implementation=implementation)
-
-
-def quantized_attention_run(pv_dtype: str):
-    def run(q, k, v, implementation=None):
-        return torch_kernels.quantized_attention(q, k, v, causal=True, pv_dtype=pv_dtype, implementation=implementation)
-    return run
-
-
-K = 1024
-# float8_e4m3fn keeps 3 mantissa bits: the quantized-attention family's fp8 gate (tests/test_quantized_attention.py)
-FP8_GATE = (0.998, 0.06)
-LARGE = dict(large=True, dtypes=(torch.bfloat16,))
-CASES = [
-    DeviceCase("mahalanobis_score", "mahalanobis_score", selftest.mahalanobis_inputs, torch_kernels.mahalanobis_score,
-               grads=(0, 1, 2)),
-    DeviceCase("mahalanobis_score 4096 x 1024, 16 classes", "mahalanobis_score",
-               sized(selftest.mahalanobis_inputs, b=4 * K, d=K, c=16), torch_kernels.mahalanobis_score, grads=(0,),
-               **LARGE),
-    DeviceCase("edm_score", "edm_score", selftest.edm_inputs, selftest._edm_run, grads=tuple(range(13))),
-    DeviceCase("edm_score 4096 x 384, width 512", "edm_score",
-               sized(selftest.edm_inputs, b=4 * K, d=384, h=512, blocks=2, levels=4), selftest._edm_run, grads=(0,),
-               **LARGE),
-    DeviceCase("ragged_paged_attention", "ragged_paged_attention", selftest.paged_attention_inputs,
-               paged_attention_run, wide=torch.float32),
-    DeviceCase("ragged_paged_attention 32k context, D 128", "ragged_paged_attention",
-               sized(selftest.paged_attention_inputs, q_lens=(1, 1, 64, 1), contexts=(32 * K, 5000, 2000, 0),
-                     heads=(32, 8), head_size=128),
-               paged_attention_run, wide=torch.float32, **LARGE),
-    DeviceCase("ragged_paged_attention fp8 caches", "ragged_paged_attention",
-               fp8_caches(selftest.paged_attention_inputs), paged_attention_run, wide=torch.float32,
-               capability=(8, 9), dtypes=(torch.bfloat16, torch.float16)),
-    DeviceCase("reshape_and_cache", "reshape_and_cache", selftest.reshape_and_cache_inputs, reshape_and_cache_run,
-               wide=torch.float32, exact=(0, 1)),
-    DeviceCase("reshape_and_cache fp8 caches", "reshape_and_cache", fp8_write, reshape_and_cache_run,
-               wide=torch.float32, exact=(0, 1), capability=(8, 9), dtypes=(torch.bfloat16,)),
-    *(DeviceCase(op, op, sized(selftest.linear_attention_inputs, delta=op != "chunk_simple_gla",
-                                   **interpreter_sizes(cu_seqlens=(0, 9, 24))),
-                 linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)))
-      for op in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla")),
-    *(DeviceCase(f"{op} 5k tokens, K = V = 128", op,
-                 sized(selftest.linear_attention_inputs, delta=op != "chunk_simple_gla", cu_seqlens=(0, 1000, 5 * K),
-                       heads=(4, 8), k_dim=128, v_dim=128),
-                 linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)), **LARGE)
-      for op in ("chunk_gated_delta_rule", "chunk_simple_gla")),
-    DeviceCase("router_topk softmax", "router_topk", selftest.router_inputs, router_run("softmax", 2), grads=(0,),
-               exact=(1,)),
-    DeviceCase("router_topk grouped sigmoid", "router_topk", selftest.router_inputs,
-               router_run("sigmoid", 2, num_expert_groups=4, topk_groups=2), grads=(0,), exact=(1,)),
-    DeviceCase("router_topk 128 experts, top 8", "router_topk", sized(selftest.router_inputs, tokens=4 * K, experts=128),
-               router_run("softmax", 8), grads=(0,), exact=(1,), **LARGE),
-    DeviceCase("moe_dispatch + moe_combine", "moe_combine", selftest.moe_inputs, dispatch_combine_run, grads=(0, 3),
-               exact=(0,)),
-    DeviceCase("moe_dispatch + moe_combine 128 experts", "moe_combine",
-               sized(selftest.moe_inputs, tokens=4 * K, hidden=2 * K, inter=16, experts=128, top_k=8),
-               dispatch_combine_run, grads=(0, 3), exact=(0,), **LARGE),
-    DeviceCase("grouped_mm", "grouped_mm", selftest.grouped_mm_inputs, torch_kernels.grouped_mm, grads=(0, 1)),
-    DeviceCase("grouped_mm 128 experts", "grouped_mm",
-               sized(selftest.grouped_mm_inputs, rows=16 * K, k_dim=2 * K, n_dim=1536, experts=128),
-               torch_kernels.grouped_mm, grads=(0, 1), **LARGE),
-    DeviceCase("fused_moe", "fused_moe", selftest.moe_inputs, fused_moe_run, grads=(0, 1, 2, 3)),
-    DeviceCase("fused_moe 128 experts, top 8", "fused_moe",
-               sized(selftest.moe_inputs, tokens=2 * K, hidden=K, inter=768, experts=128, top_k=8),
-               fused_moe_run, grads=(0, 1, 2, 3), **LARGE),
-    DeviceCase("quantized_attention", "quantized_attention",
-               sized(selftest.quantized_attention_inputs, **interpreter_sizes(b=1, nq=19, nk=45)),
-               quantized_attention_run("fp16"), grads=(0, 1, 2), wide=torch.float32, coarsest=torch.float16),
-    DeviceCase("quantized_attention 4k, D 128", "quantized_attention",
-               sized(selftest.quantized_attention_inputs, b=1, heads=(8, 2), nq=4 * K, nk=4 * K, head_size=128),
-               quantized_attention_run("fp16"), grads=(0, 1, 2), wide=torch.float32, coarsest=torch.float16, **LARGE),
-    DeviceCase("quantized_attention fp8 P.V", "quantized_attention", selftest.quantized_attention_inputs,
-               quantized_attention_run("fp8"), wide=torch.float32, capability=(8, 9), dtypes=(torch.bfloat16,),
-               gate=FP8_GATE),
-]
+CASES = [case for module in families.modules().values() for case in getattr(module, "DEVICE_CASES", ())]
 
 
 def skip_reason(case: DeviceCase) -> str | None:
@@ -332,11 +159,3 @@ def test_backward_matches_reference_on_device(case, dtype):
     (_, grads), (_, truth), (_, reference) = run_three(case, dtype, backward=True)
     for i, g, t, r in zip(case.grads, grads, truth, reference):
         assert_as_accurate(g, t, r, case.tolerance_dtype(dtype), f"{case.name} gradient of input {i}")
-
-
-def test_every_op_with_a_triton_kernel_is_covered():
-    """A new op (or a Triton kernel for one) fails here until it has a case above."""
-    covered = {case.op for case in CASES} | {"moe_gather"}  # moe_gather: inside moe_dispatch
-    backward_ops = {op for op in backends._impls if op.endswith(("_backward", "_weight_grad"))}
-    with_triton = {op for op in backends._impls if "triton" in backends.implementations(op)} - backward_ops
-    assert with_triton <= covered, f"ops with a Triton kernel and no device case: {sorted(with_triton - covered)}"

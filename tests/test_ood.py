@@ -11,11 +11,11 @@ from torch_kernels import backends
 from torch_kernels.ood import MahalanobisScorer
 from torch_kernels.ops import ood as ood_ops
 from torch_kernels.reference import ood as reference
-from torch_kernels.selftest import mahalanobis_inputs
+from torch_kernels.ops.ood import mahalanobis_inputs
 
 from harness import (
-    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names,
-    require_backend, run_isolated, run_opcheck,
+    FLOAT32_BYTES, assert_close, backend_params, compiled_fullgraph, counted_flops, nbytes, only_row, profiled,
+    profiled_names, random_tensor, require_backend, run_isolated, run_opcheck,
 )
 
 OP = "mahalanobis_score"
@@ -38,6 +38,7 @@ def test_reference_kernel_matches_definition(shape, dtype):
     assert_close(torch_kernels.mahalanobis_score(x, means, whitener, implementation="reference"), expected, dtype)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", backend_params(OP, exclude=("reference",)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -109,7 +110,7 @@ def test_torchax_tensors_run_pallas_with_gradients():
 TORCHAX_CHECK = """
 import pytest, torch, torch_kernels
 from torch_kernels.reference import ood as reference
-from torch_kernels.selftest import mahalanobis_inputs
+from torch_kernels.ops.ood import mahalanobis_inputs
 from harness import assert_close
 
 def grads(fn, tensors):
@@ -152,16 +153,16 @@ print("torchax ok")
     ("2.13.0", "0.0.14", False),
 ])
 def test_torchax_shim_only_where_needed(torch_version, torchax_version, needed):
-    from torch_kernels import _torchax
+    from torch_kernels.pallas import torchax_tensors
 
-    assert _torchax._needs_import_shim(torch_version, torchax_version) == needed
+    assert torchax_tensors._needs_import_shim(torch_version, torchax_version) == needed
 
 
 def test_torchax_shim_is_needed_here_when_it_says_so():
     require_backend("pallas")
-    from torch_kernels import _torchax
+    from torch_kernels.pallas import torchax_tensors
 
-    if not _torchax._needs_import_shim():
+    if not torchax_tensors._needs_import_shim():
         pytest.skip("this torch and torchax import together without the shim")
     with pytest.raises(AssertionError, match="has no overload name"):  # torchax fails without it
         run_isolated("import torchax\ntorchax.default_env()\n")
@@ -465,3 +466,22 @@ def test_fit_with_a_ridge_or_empty_batches():
     got = MahalanobisScorer().fit([good[:0], good[:20], good[:0], good[20:]])
     torch.testing.assert_close(got.means_, want.means_)
     torch.testing.assert_close(got.covariance_, want.covariance_)
+
+
+# ---- the byte formula, against counts made here ----
+
+def test_ood_bytes_are_every_input_and_output():
+    b, c, d = 20, 3, 16
+    x, means, whitener = random_tensor(b, d, seed=1), random_tensor(c, d, seed=2), random_tensor(d, d, seed=3)
+    prof, _ = profiled(lambda: torch_kernels.mahalanobis_score(x, means, whitener))
+    row = only_row(prof, "mahalanobis_score")
+    assert row["bytes"] == ood_ops.score_bytes(b, c, d, FLOAT32_BYTES, FLOAT32_BYTES)
+    assert row["bytes"] == nbytes(x, means, whitener) + b * FLOAT32_BYTES
+    assert row["flops"] == ood_ops.score_flops(b, c, d)
+
+    xg = x.clone().requires_grad_()
+    prof, _ = profiled(lambda: torch_kernels.mahalanobis_score(xg, means, whitener).sum().backward())
+    backward = only_row(prof, "mahalanobis_score_backward")
+    # reads the score's gradient, x, means and whitener; writes a gradient of each of the three
+    assert backward["bytes"] == b * FLOAT32_BYTES + 2 * nbytes(x, means, whitener)
+    assert backward["flops"] == ood_ops.score_flops(b, c, d) + 6 * b * d * d

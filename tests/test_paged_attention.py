@@ -30,8 +30,8 @@ from torch_kernels.reference import paged_attention as reference
 from torch_kernels.selftest import relative_error
 
 from harness import (
-    assert_close, backend_params, compiled_fullgraph, counted_flops, profiled_names, require_backend,
-    run_opcheck,
+    FLOAT32_BYTES, assert_close, backend_params, compiled_fullgraph, counted_flops, nbytes, only_row, profiled,
+    profiled_names, require_backend, run_opcheck,
 )
 
 OP, WRITE_OP = ops.OP, ops.WRITE_OP
@@ -450,6 +450,7 @@ def _poisoned(cache: torch.Tensor, gen) -> torch.Tensor:
     return poisoned
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", ["reshape_and_cache", "fused"])
 @pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
@@ -495,6 +496,7 @@ def test_int32_slot_mapping_writes_as_int64(backend):
 GARBAGE_BYTE = {torch.int8: 0x7F}  # int8 has no NaN: its largest value; 0xff is NaN in every float dtype
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fused", [False, True], ids=["cached", "fused"])
 @pytest.mark.parametrize("dtype, cache_dtype", FUSED_CASES, ids=lambda x: _dtype_id(x))
@@ -613,6 +615,7 @@ def test_reference_and_definition_follow_the_nan_policy(spec, tile, data):
         assert_attention_close(out[~nan_rows], want[~nan_rows], spec.dtype)
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("target", ["first", "last"])
 @pytest.mark.parametrize("poison", [NAN, INF], ids=["nan", "inf"])
@@ -664,6 +667,7 @@ VISIBLE_POISON = [
 POISON_KV_HEAD, POISON_Q_HEAD, POISON_DIM = 1, 3, 5
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case, where, value, entry, cache_dtype, window, soft_cap, fused", VISIBLE_POISON,
                          ids=[c[0] for c in VISIBLE_POISON])
@@ -716,6 +720,7 @@ def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 STORE_PROBE = [NAN, -NAN, INF, -INF, 1e30, -1e30, 3e38, -3e38, 70000.0, -500.0, 200.0, 2.5, -1.5, 0.0, 1e-3]
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", ["reshape_and_cache", "fused"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, *QUANTIZED], ids=_dtype_id)
@@ -820,6 +825,7 @@ def _quantization_probe(cache_dtype, count: int, gen) -> torch.Tensor:
     return pool[torch.randint(0, len(pool), (count,), generator=gen)]
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", QUANTIZED, ids=_dtype_id)
 @pytest.mark.parametrize("scale_kind", ["none", "scalar", "head"])
@@ -944,7 +950,7 @@ def test_strided_inputs(backend):
     assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
 
 
-# ---- inputs that must be accepted (the bad ones are in tests/bad_inputs.py) ----
+# ---- inputs that must be accepted (the bad ones are in tests/families/paged_attention.py) ----
 
 def _check_batch() -> Batch:
     # S=3, T=5, pages (1, 1, 2) of 16, 6 blocks (capacity 96), block_table [3, 3], Hkv=2, Hq=4, D=64
@@ -1147,3 +1153,57 @@ def test_flop_counter_counts_the_op(window, fused):
     flops = counted_flops(lambda: batch.attend(batch.caches()))
     visible = _brute_force_visible(batch.spec.q_lens, batch.spec.kv_lens, window)
     assert flops == ops.attention_flops(hq, d, batch.spec.q_lens, batch.spec.kv_lens, window) == 4 * hq * d * visible
+
+
+# ---- the byte formula, against counts made here ----
+
+def _paged_batch(sliding_window=None, fused=False):
+    """Two sequences over 4-slot pages in a shuffled pool: (kwargs of ragged_paged_attention,
+    query lengths, kv lengths, page size)."""
+    q_lens, kv_lens, page, hq, hkv, d = [3, 1], [7, 10], 4, 4, 2, 8
+    gen = torch.Generator().manual_seed(12)
+    pool = 8
+    caches = [torch.randn(pool, page, hkv, d, generator=gen) for _ in range(2)]
+    block_table = torch.randperm(pool, generator=gen, dtype=torch.int32)[:6].view(2, 3)
+    args = dict(query=torch.randn(sum(q_lens), hq, d, generator=gen), key_cache=caches[0], value_cache=caches[1],
+                cu_q_lens=torch.tensor([0, 3, 4], dtype=torch.int32), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+                block_table=block_table, sm_scale=d ** -0.5, sliding_window=sliding_window)
+    if fused:  # the new tokens' keys and values written by the same call; the last token is padding
+        positions = [(s, p) for s in range(2) for p in range(kv_lens[s] - q_lens[s], kv_lens[s])]
+        slots = [int(block_table[s, p // page]) * page + p % page for s, p in positions]
+        slots[-1] = -1
+        key, value = (torch.randn(sum(q_lens), hkv, d, generator=gen) for _ in range(2))
+        args.update(key=key, value=value, slot_mapping=torch.tensor(slots, dtype=torch.int64))
+    return args, q_lens, kv_lens, page
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_paged_attention_bytes_count_the_cache_rows_read(sliding_window):
+    args, q_lens, kv_lens, _ = _paged_batch(sliding_window)
+    prof, out = profiled(lambda: torch_kernels.ragged_paged_attention(**args))
+    hkv, d = args["key_cache"].shape[2:]
+    rows_read = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):  # the key positions any of the sequence's queries sees
+        seen = {j for p in range(kv_len - q_len, kv_len) for j in range(p + 1)
+                if sliding_window is None or j > p - sliding_window}
+        rows_read += len(seen)
+    row = only_row(prof, "ragged_paged_attention")
+    assert row["bytes"] == 2 * rows_read * hkv * d * FLOAT32_BYTES + nbytes(args["query"], out)
+    assert row["flops"] == ops.attention_flops(args["query"].shape[1], d, q_lens, kv_lens, sliding_window)
+
+
+def test_cache_writes_count_the_real_slots():
+    args, _, _, _ = _paged_batch(fused=True)
+    key, value, slots = args["key"], args["value"], args["slot_mapping"]
+    real = slots >= 0
+    written = nbytes(key[real], value[real], key[real], value[real])  # read from the inputs, then into the caches
+    caches = args["key_cache"], args["value_cache"]
+    prof, _ = profiled(lambda: torch_kernels.reshape_and_cache(key, value, *caches, slots))
+    row = only_row(prof, "reshape_and_cache")
+    assert (row["bytes"], row["flops"]) == (written + nbytes(slots), 0)
+
+    prof, out = profiled(lambda: torch_kernels.ragged_paged_attention(**args))
+    without_write, _ = profiled(lambda: torch_kernels.ragged_paged_attention(
+        **{k: v for k, v in args.items() if k not in ("key", "value", "slot_mapping")}))
+    assert only_row(prof, "ragged_paged_attention")["bytes"] == \
+        only_row(without_write, "ragged_paged_attention")["bytes"] + written + nbytes(slots)

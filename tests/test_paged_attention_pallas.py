@@ -35,7 +35,7 @@ def pallas():
 
 def _jax():
     from jax_impl import paged_attention as kernels
-    from torch_kernels._jax_interop import to_jax, to_torch
+    from torch_kernels.pallas.torch_tensors import to_jax, to_torch
 
     return kernels, to_jax, to_torch
 
@@ -284,17 +284,17 @@ def test_torch_ops_run_pallas_in_place():
 
 
 def test_empty_batch_and_unsupported_inputs():
-    from torch_kernels import _jax_interop
+    from torch_kernels.pallas import paged_attention
 
     batch = make_batch(7, 1, 1, 64, 16, torch.float32, lens=[(0, 0), (0, 5)])
     out, kc, _ = run_kernel(batch, 0.125)
     assert out.shape == (0, 1, 64) and same_bytes(kc, batch["key_cache"])
     meta = torch.empty(3, 1, 64, device="meta")
     with pytest.raises(NotImplementedError, match="pallas: takes torchax tensors or CPU tensors"):
-        _jax_interop.pallas_ragged_paged_attention(meta, meta, *[None] * 12)
+        paged_attention.pallas_ragged_paged_attention(meta, meta, *[None] * 12)
     with pytest.raises(NotImplementedError, match="pallas: caches of dtype torch.float64"):
-        _jax_interop.pallas_reshape_and_cache(torch.zeros(1, 1, 8, dtype=torch.float64), None,
-                                              torch.zeros(1, 1, 1, 8, dtype=torch.float64), *[None] * 4)
+        paged_attention.pallas_reshape_and_cache(torch.zeros(1, 1, 8, dtype=torch.float64), None,
+                                                 torch.zeros(1, 1, 1, 8, dtype=torch.float64), *[None] * 4)
 
 
 # (T, S, Hq, Hkv, D, block_size, query dtype, cache dtype, fused, window, soft cap)

@@ -8,7 +8,7 @@ copies a batch's caches into them, and runs the fused write + attention and the 
 on them: the output and the written caches equal, bit for bit, the same backend's on contiguous
 copies, and every other element of the underlying tensors (the other half, other layers, gaps)
 is unchanged bit for bit. Caches whose last dimension is not contiguous, or whose entries share
-memory, are refused by the op (``tests/bad_inputs.py`` pins those messages on every backend).
+memory, are refused by the op (``tests/families/paged_attention.py`` lists those calls, run on every backend).
 """
 
 from __future__ import annotations

@@ -13,34 +13,10 @@ from torch.utils.flop_counter import flop_registry
 import torch_kernels
 from torch_kernels import _library, backends, profiling
 from torch_kernels.ops import ood as ood_ops
-from torch_kernels.ops import paged_attention as paged_ops
-from torch_kernels.ops import quantized_attention as quantized_ops
 
-from harness import compiled_fullgraph, counted_flops, require_backend
-
-FLOAT = 4  # bytes of a float32
-
-
-def profiled(fn, **kwargs):
-    """(the profile, fn's result) of ``fn`` run inside ``torch_kernels.profile`` (no calibration)."""
-    with torch_kernels.profile(calibrate=False, **kwargs) as prof:
-        out = fn()
-    return prof, out
-
-
-def only_row(prof, op):
-    rows = [r for r in prof.rows if r["op"] == op]
-    assert len(rows) == 1, f"{op}: {prof.rows}"
-    return rows[0]
-
-
-def nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _random(*shape, seed=0, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
+from harness import (
+    FLOAT32_BYTES, compiled_fullgraph, counted_flops, nbytes, only_row, profiled, random_tensor, require_backend,
+)
 
 # ---- every op has both formulas ----
 
@@ -56,154 +32,19 @@ def test_every_op_has_flop_and_byte_formulas():
     assert not uncounted, f"ops FlopCounterMode cannot count: {uncounted}"
 
 
-# ---- byte formulas against counts made here ----
-
-def test_ood_bytes_are_every_input_and_output():
-    b, c, d = 20, 3, 16
-    x, means, whitener = _random(b, d, seed=1), _random(c, d, seed=2), _random(d, d, seed=3)
-    prof, _ = profiled(lambda: torch_kernels.mahalanobis_score(x, means, whitener))
-    row = only_row(prof, "mahalanobis_score")
-    assert row["bytes"] == ood_ops.score_bytes(b, c, d, FLOAT, FLOAT) == nbytes(x, means, whitener) + b * FLOAT
-    assert row["flops"] == ood_ops.score_flops(b, c, d)
-
-    xg = x.clone().requires_grad_()
-    prof, _ = profiled(lambda: torch_kernels.mahalanobis_score(xg, means, whitener).sum().backward())
-    backward = only_row(prof, "mahalanobis_score_backward")
-    # reads the score's gradient, x, means and whitener; writes a gradient of each of the three
-    assert backward["bytes"] == b * FLOAT + 2 * nbytes(x, means, whitener)
-    assert backward["flops"] == ood_ops.score_flops(b, c, d) + 6 * b * d * d
-
-
-def test_edm_bytes_match_the_analytic_count():
-    b, d, h, k, levels = 9, 6, 8, 2, 3
-    gen = torch.Generator().manual_seed(4)
-    shapes = [(d,), (d,), (levels, d), (levels,), (levels, h), (d, h), (k, h, h), (k, h), (k, h, h), (k, h),
-              (h, d), (d,)]
-    params = [torch.rand(*s, generator=gen) * 0.3 + 0.1 for s in shapes]
-    x = torch.randn(b, d, generator=gen)
-    sigmas = [0.2, 0.6, 1.8]
-    prof, _ = profiled(lambda: torch_kernels.edm_score(x, *params, sigmas, 0.8, "scoped"))
-    row = only_row(prof, "edm_score")
-    assert row["bytes"] == ood_ops.edm_score_bytes(b, d, h, k, levels, FLOAT, FLOAT)
-    assert row["flops"] == ood_ops.edm_score_flops(b, d, h, k, levels, True)
-
-
-def test_quantized_attention_bytes_match_the_analytic_count():
-    b, hq, hkv, nq, nk, d = 2, 4, 2, 10, 14, 64
-    q, k, v = _random(b, hq, nq, d, seed=5), _random(b, hkv, nk, d, seed=6), _random(b, hkv, nk, d, seed=7)
-    prof, _ = profiled(lambda: torch_kernels.quantized_attention(q, k, v, causal=True))
-    row = only_row(prof, "quantized_attention")
-    assert row["bytes"] == quantized_ops.quantized_attention_bytes(hq, hkv, d, [(nq, nk)] * b, FLOAT)
-    assert row["flops"] == 4 * hq * d * b * sum(min(nk, i + nk - nq + 1) for i in range(nq))
-
-
-def test_linear_attention_bytes_are_every_input_and_output():
-    batch, length, heads, k_dim, v_dim = 1, 9, 2, 8, 4
-    q, k = _random(batch, length, heads, k_dim, seed=8), _random(batch, length, heads, k_dim, seed=9)
-    v = _random(batch, length, heads, v_dim, seed=10)
-    g = -0.1 * torch.rand(batch, length, heads, generator=torch.Generator().manual_seed(11))
-    prof, (o, _) = profiled(lambda: torch_kernels.chunk_simple_gla(q, k, v, g, output_final_state=True))
-    state = batch * heads * k_dim * v_dim * FLOAT  # the final state, float32, always written
-    assert only_row(prof, "chunk_simple_gla")["bytes"] == nbytes(q, k, v, g, o) + state
-
-
-def _paged_batch(sliding_window=None, fused=False):
-    """Two sequences over 4-slot pages in a shuffled pool: (kwargs of ragged_paged_attention,
-    query lengths, kv lengths, page size)."""
-    q_lens, kv_lens, page, hq, hkv, d = [3, 1], [7, 10], 4, 4, 2, 8
-    gen = torch.Generator().manual_seed(12)
-    pool = 8
-    caches = [torch.randn(pool, page, hkv, d, generator=gen) for _ in range(2)]
-    block_table = torch.randperm(pool, generator=gen, dtype=torch.int32)[:6].view(2, 3)
-    args = dict(query=torch.randn(sum(q_lens), hq, d, generator=gen), key_cache=caches[0], value_cache=caches[1],
-                cu_q_lens=torch.tensor([0, 3, 4], dtype=torch.int32), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
-                block_table=block_table, sm_scale=d ** -0.5, sliding_window=sliding_window)
-    if fused:  # the new tokens' keys and values written by the same call; the last token is padding
-        positions = [(s, p) for s in range(2) for p in range(kv_lens[s] - q_lens[s], kv_lens[s])]
-        slots = [int(block_table[s, p // page]) * page + p % page for s, p in positions]
-        slots[-1] = -1
-        key, value = (torch.randn(sum(q_lens), hkv, d, generator=gen) for _ in range(2))
-        args.update(key=key, value=value, slot_mapping=torch.tensor(slots, dtype=torch.int64))
-    return args, q_lens, kv_lens, page
-
-
-@pytest.mark.parametrize("sliding_window", [None, 3])
-def test_paged_attention_bytes_count_the_cache_rows_read(sliding_window):
-    args, q_lens, kv_lens, _ = _paged_batch(sliding_window)
-    prof, out = profiled(lambda: torch_kernels.ragged_paged_attention(**args))
-    hkv, d = args["key_cache"].shape[2:]
-    rows_read = 0
-    for q_len, kv_len in zip(q_lens, kv_lens):  # the key positions any of the sequence's queries sees
-        seen = {j for p in range(kv_len - q_len, kv_len) for j in range(p + 1)
-                if sliding_window is None or j > p - sliding_window}
-        rows_read += len(seen)
-    row = only_row(prof, "ragged_paged_attention")
-    assert row["bytes"] == 2 * rows_read * hkv * d * FLOAT + nbytes(args["query"], out)
-    assert row["flops"] == paged_ops.attention_flops(args["query"].shape[1], d, q_lens, kv_lens, sliding_window)
-
-
-def test_cache_writes_count_the_real_slots():
-    args, _, _, _ = _paged_batch(fused=True)
-    key, value, slots = args["key"], args["value"], args["slot_mapping"]
-    real = slots >= 0
-    written = nbytes(key[real], value[real], key[real], value[real])  # read from the inputs, then into the caches
-    caches = args["key_cache"], args["value_cache"]
-    prof, _ = profiled(lambda: torch_kernels.reshape_and_cache(key, value, *caches, slots))
-    row = only_row(prof, "reshape_and_cache")
-    assert (row["bytes"], row["flops"]) == (written + nbytes(slots), 0)
-
-    prof, out = profiled(lambda: torch_kernels.ragged_paged_attention(**args))
-    without_write, _ = profiled(lambda: torch_kernels.ragged_paged_attention(
-        **{k: v for k, v in args.items() if k not in ("key", "value", "slot_mapping")}))
-    assert only_row(prof, "ragged_paged_attention")["bytes"] == \
-        only_row(without_write, "ragged_paged_attention")["bytes"] + written + nbytes(slots)
-
-
-def test_moe_bytes_count_routed_rows_and_used_experts():
-    tokens, hidden, inter, experts = 4, 6, 5, 4
-    x = _random(tokens, hidden, seed=13)
-    ids = torch.tensor([[0, 2], [-1, -1], [2, 0], [0, -1]], dtype=torch.int32)  # token 1 dropped; expert 1, 3 idle
-    weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(14))
-    routed_tokens, routed_slots, used_experts = 3, 5, 2
-
-    def moe_layer():
-        rows, offsets, handle = torch_kernels.moe_dispatch(x, ids, experts)
-        w = _random(experts, hidden, inter, seed=15)
-        y = torch_kernels.grouped_mm(rows, w, offsets)
-        return rows, offsets, w, y, torch_kernels.moe_combine(y, handle, weights)
-
-    prof, (rows, offsets, w, y, out) = profiled(moe_layer)
-    handle_bytes = tokens * 2 * 8  # int64 sorted-row -> token map
-    assert only_row(prof, "moe_gather")["bytes"] == routed_tokens * hidden * FLOAT + handle_bytes + nbytes(rows)
-    assert only_row(prof, "grouped_mm")["bytes"] == (routed_slots * hidden * FLOAT
-                                                     + used_experts * hidden * inter * FLOAT + nbytes(offsets, y))
-    assert only_row(prof, "grouped_mm")["flops"] == 2 * routed_slots * hidden * inter
-    combine = only_row(prof, "moe_combine")
-    assert combine["bytes"] == routed_slots * inter * FLOAT + tokens * 2 * 8 + nbytes(weights, out)
-    assert combine["flops"] == 2 * routed_slots * inter
-
-    w13, w2 = _random(experts, 2 * inter, hidden, seed=16), _random(experts, hidden, inter, seed=17)
-    prof, out = profiled(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids))
-    fused = only_row(prof, "fused_moe")
-    assert fused["bytes"] == nbytes(x, weights, ids, out) + used_experts * 3 * inter * hidden * FLOAT
-    assert fused["flops"] == counted_flops(lambda: torch_kernels.fused_moe(x, w13, w2, weights, ids))
-
-    logits = _random(tokens, experts, seed=18)
-    prof, (topk_weights, topk_ids) = profiled(lambda: torch_kernels.router_topk(logits, 2))
-    assert only_row(prof, "router_topk")["bytes"] == nbytes(logits, topk_weights, topk_ids)
-
+# ---- byte formulas (each family's own are in its test file) ----
 
 def test_backward_ops_are_recorded_with_their_formulas():
     """Training steps record each backward op, with the FLOPs FlopCounterMode counts for it."""
-    x = _random(7, 5, seed=19).requires_grad_()
-    w = _random(2, 5, 3, seed=20).requires_grad_()
+    x = random_tensor(7, 5, seed=19).requires_grad_()
+    w = random_tensor(2, 5, 3, seed=20).requires_grad_()
     offsets = torch.tensor([3, 6], dtype=torch.int32)
     step = lambda: torch_kernels.grouped_mm(x, w, offsets).square().sum().backward()  # noqa: E731
     prof, _ = profiled(step)
     assert [r["calls"] for r in prof.rows if r["op"] == "grouped_mm"] == [2]  # the forward and d x
     grad = only_row(prof, "grouped_mm_weight_grad")
     assert grad["flops"] == 2 * 6 * 5 * 3
-    assert grad["bytes"] == 6 * 5 * FLOAT + 6 * 3 * FLOAT + nbytes(offsets, w)
+    assert grad["bytes"] == 6 * 5 * FLOAT32_BYTES + 6 * 3 * FLOAT32_BYTES + nbytes(offsets, w)
     assert sum(r["flops"] for r in prof.rows) == counted_flops(step)
 
 
@@ -213,7 +54,7 @@ def test_profile_counts_calls_per_op_and_backend(tmp_path, monkeypatch):
     require_backend("triton")
     peaks = profiling.DevicePeaks("stub", flops_per_s=2e9, bytes_per_s=1e9, matmul_dtype="float32")
     monkeypatch.setattr(profiling, "calibrate_device", lambda device: peaks)
-    x, means, whitener = _random(24, 16, seed=21), _random(3, 16, seed=22), _random(16, 16, seed=23)
+    x, means, whitener = random_tensor(24, 16, seed=21), random_tensor(3, 16, seed=22), random_tensor(16, 16, seed=23)
     trace = tmp_path / "trace.json"
     with torch_kernels.profile(trace=trace) as prof:
         for _ in range(3):
@@ -248,7 +89,7 @@ def test_profile_counts_calls_per_op_and_backend(tmp_path, monkeypatch):
 
 def test_a_call_without_a_backend_kernel_is_labelled():
     """edm_score_backward computes the reference gradients in the op itself, on every backend."""
-    x = _random(5, 4, seed=24).requires_grad_()
+    x = random_tensor(5, 4, seed=24).requires_grad_()
     params = [torch.rand(*s, generator=torch.Generator().manual_seed(25)) * 0.3 + 0.1
               for s in [(4,), (4,), (1, 4), (1,), (1, 6), (4, 6), (0, 6, 6), (0, 6), (0, 6, 6), (0, 6), (6, 4), (4,)]]
     prof, _ = profiled(lambda: torch_kernels.edm_score(x, *params, [0.5], 0.8).sum().backward())
@@ -258,7 +99,7 @@ def test_a_call_without_a_backend_kernel_is_labelled():
 
 def test_profile_records_compiled_code():
     """Code compiled before the block and code compiled inside it (traced while it is active)."""
-    x, means, whitener = _random(12, 8, seed=26), _random(2, 8, seed=27), _random(8, 8, seed=28)
+    x, means, whitener = random_tensor(12, 8, seed=26), random_tensor(2, 8, seed=27), random_tensor(8, 8, seed=28)
     compiled = compiled_fullgraph(lambda x: torch_kernels.mahalanobis_score(2 * x, means, whitener).sum())
     compiled(x)
 
@@ -276,7 +117,7 @@ def test_profile_records_compiled_code():
 def test_nothing_is_recorded_or_swapped_outside_the_block():
     ops = sorted(_library._definitions)
     before = {name: torch._C._dispatch_dump(f"torch_kernels::{name}") for name in ops}
-    x, means, whitener = _random(6, 4, seed=29), _random(2, 4, seed=30), _random(4, 4, seed=31)
+    x, means, whitener = random_tensor(6, 4, seed=29), random_tensor(2, 4, seed=30), random_tensor(4, 4, seed=31)
     with torch_kernels.profile(calibrate=False) as prof:
         torch_kernels.mahalanobis_score(x, means, whitener)
         assert backends._observer is not None
@@ -327,7 +168,7 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert torch_kernels.calibrate_device("cpu").flops_per_s == 3e11 and len(measured) == 3
 
     with torch_kernels.profile() as prof:  # the profile looks the peaks up through the same cache
-        torch_kernels.mahalanobis_score(_random(4, 4, seed=32), _random(1, 4, seed=33), torch.eye(4))
+        torch_kernels.mahalanobis_score(random_tensor(4, 4, seed=32), random_tensor(1, 4, seed=33), torch.eye(4))
     assert len(measured) == 3 and prof.peaks[profiling.device_name("cpu")].flops_per_s == 3e11
     assert "300.0 GFLOP/s (float32 matmul)" in str(prof)
 

@@ -6,8 +6,9 @@ on random inputs and on keys with large per-channel offsets (smoothing off fails
 smoothing on passes). Then the definitions: the int8 groups and scales, the online softmax against
 the untiled definition, varlen against per-sequence calls, the lse against float32 logsumexp and
 as ring attention combines it, gradients against float32 SDPA autograd (relative RMSE), and the op
-contract (opcheck, torch.compile fullgraph forward and backward, profiler names, FLOP counts,
-bad inputs naming their argument). Sizes are small and odd (N from 1 to 333) to keep the file fast.
+contract (opcheck, torch.compile fullgraph forward and backward, profiler names, FLOP and byte
+counts; its bad inputs are in tests/families/quantized_attention.py). Sizes are small and odd (N
+from 1 to 333) to keep the file fast.
 
 Run with ``-s`` to see the measured figures.
 """
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 import torch_kernels
 from harness import (
-    assert_compiled_matches_eager, backend_params, counted_flops, profiled_names, require_backend, run_opcheck,
+    FLOAT32_BYTES, assert_compiled_matches_eager, backend_params, counted_flops, only_row, profiled, profiled_names,
+    random_tensor, require_backend, run_opcheck,
 )
 from torch_kernels import backends
 from torch_kernels.ops import quantized_attention as ops
@@ -110,6 +112,7 @@ def report(what: str, cos: float, l1: float) -> None:
 CASE_DTYPES = {64: torch.float16, 96: torch.bfloat16, 128: torch.float32}  # every dtype meets every head size below
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("pv_dtype", PV_DTYPES)
@@ -133,6 +136,7 @@ def test_gates_on_random_inputs(backend, granularity, pv_dtype, head_size, causa
     assert cos >= min_cos and l1 <= max_l1, (cos, l1)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("pv_dtype", PV_DTYPES)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,6 +163,7 @@ OFFSET_CASES = {
 }
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("offsets", OFFSET_CASES)
 @pytest.mark.parametrize("pv_dtype", PV_DTYPES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -622,86 +627,13 @@ def test_declined_calls_fall_through(backend):
         torch_kernels.quantized_attention(q, k, v, implementation=backend)
 
 
-# ---- bad inputs ----
+# ---- the byte formula, against counts made here ----
 
-def _packed():
-    """Valid keyword arguments: two packed sequences, GQA 4:2, float16."""
-    gen = torch.Generator().manual_seed(25)
-    q = torch.randn(1, 4, 30, 64, generator=gen).half()
-    k = torch.randn(1, 2, 40, 64, generator=gen).half()
-    return dict(q=q, k=k, v=k.clone(), cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32),
-                cu_seqlens_k=torch.tensor([0, 25, 40], dtype=torch.int32))
-
-
-def _call(**changes):
-    """A call of quantized_attention on a backend with ``changes`` made to :func:`_packed`'s arguments."""
-    kwargs = _packed()
-    kwargs.update(changes)
-    return lambda backend: torch_kernels.quantized_attention(**kwargs, implementation=backend)
-
-
-def _sdpa(**kwargs):
-    """A call of quantized_sdpa on a backend, forced onto the quantized path unless ``kwargs`` say."""
-    x = torch.randn(1, 1, 2, 8)
-    kwargs = dict(query=x, key=x, value=x, force_quantized=True) | kwargs
-    return lambda backend: torch_kernels.quantized_sdpa(**kwargs, implementation=backend)
-
-
-BAD_INPUTS = {
-    "q not a tensor": ("q", TypeError, _call(q=[1.0])),
-    "q 3-D": ("q", ValueError, _call(q=torch.randn(4, 30, 64).half())),
-    "q int": ("q", TypeError, _call(q=torch.zeros(1, 4, 30, 64, dtype=torch.int8))),
-    "k float32 with q float16": ("k", TypeError, _call(k=torch.randn(1, 2, 40, 64))),
-    "v dtype": ("v", TypeError, _call(v=torch.randn(1, 2, 40, 64).bfloat16())),
-    "k head size": ("k", ValueError, _call(k=torch.randn(1, 2, 40, 32).half())),
-    "v shape": ("v", ValueError, _call(v=torch.randn(1, 2, 39, 64).half())),
-    "heads not a multiple": ("k", ValueError, _call(k=torch.randn(1, 3, 40, 64).half(),
-                                                    v=torch.randn(1, 3, 40, 64).half())),
-    "k batch": ("k", ValueError, lambda backend: torch_kernels.quantized_attention(
-        torch.randn(2, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64), implementation=backend)),
-    "head size 0": ("q", ValueError, _call(q=torch.randn(1, 4, 30, 0).half(), k=torch.randn(1, 2, 40, 0).half(),
-                                           v=torch.randn(1, 2, 40, 0).half())),
-    "layout": ("layout", ValueError, _call(layout="BHSD")),
-    "granularity": ("granularity", ValueError, _call(granularity="per_tensor")),
-    "pv_dtype": ("pv_dtype", ValueError, _call(pv_dtype="fp32")),
-    "causal not bool": ("causal", TypeError, _call(causal=1)),
-    "smooth_k not bool": ("smooth_k", TypeError, _call(smooth_k="yes")),
-    "return_lse not bool": ("return_lse", TypeError, _call(return_lse=None)),
-    "sm_scale string": ("sm_scale", TypeError, _call(sm_scale="0.1")),
-    "sm_scale nan": ("sm_scale", ValueError, _call(sm_scale=float("nan"))),
-    "one cu_seqlens": ("cu_seqlens_q", ValueError, _call(cu_seqlens_k=None)),
-    "cu_seqlens float": ("cu_seqlens_q", TypeError, _call(cu_seqlens_q=torch.tensor([0.0, 10.0, 30.0]))),
-    "cu_seqlens 2-D": ("cu_seqlens_k", ValueError, _call(cu_seqlens_k=torch.tensor([[0, 25, 40]], dtype=torch.int32))),
-    "cu_seqlens lengths differ": ("cu_seqlens_k", ValueError,
-                                  _call(cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32))),
-    "cu_seqlens short": ("cu_seqlens_q", ValueError, _call(cu_seqlens_q=torch.tensor([0], dtype=torch.int32),
-                                                          cu_seqlens_k=torch.tensor([0], dtype=torch.int32))),
-    "cu_seqlens start": ("cu_seqlens_q", ValueError, _call(cu_seqlens_q=torch.tensor([1, 10, 30], dtype=torch.int32))),
-    "cu_seqlens decreasing": ("cu_seqlens_k", ValueError,
-                              _call(cu_seqlens_k=torch.tensor([0, 41, 40], dtype=torch.int32))),
-    "cu_seqlens end": ("cu_seqlens_k", ValueError, _call(cu_seqlens_k=torch.tensor([0, 25, 39], dtype=torch.int32))),
-    "cu_seqlens with batch 2": ("cu_seqlens_q", ValueError, _call(q=torch.randn(2, 4, 30, 64).half(),
-                                                                  k=torch.randn(2, 2, 40, 64).half(),
-                                                                  v=torch.randn(2, 2, 40, 64).half())),
-    "NHD heads": ("k", ValueError, _call(layout="NHD", cu_seqlens_q=None, cu_seqlens_k=None)),
-    "sdpa query": ("query", TypeError, _sdpa(query=None)),
-    "sdpa scale": ("scale", TypeError, _sdpa(scale="x")),
-    # the options are checked on the SDPA route too
-    "sdpa pv_dtype": ("pv_dtype", ValueError, _sdpa(pv_dtype="fp32", force_quantized=False)),
-    "sdpa granularity": ("granularity", ValueError, _sdpa(granularity="per_tensor", attn_mask=torch.ones(2, 2) > 0)),
-    "sdpa smooth_q not bool": ("smooth_q", TypeError, _sdpa(smooth_q=1)),
-    "sdpa force_quantized not bool": ("force_quantized", TypeError, _sdpa(force_quantized="yes")),
-}
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_inputs_name_the_argument(backend, case):
-    """Each bad call raises its error type with a message starting with the argument's name, on
-    every backend (the checks run before any kernel)."""
-    require_backend(backend)
-    argument, error, call = BAD_INPUTS[case]
-    with pytest.raises(error) as raised:
-        call(backend)
-    assert str(raised.value).startswith(f"{argument}:") or str(raised.value).startswith(f"{argument},"), \
-        str(raised.value)
+def test_quantized_attention_bytes_match_the_analytic_count():
+    b, hq, hkv, nq, nk, d = 2, 4, 2, 10, 14, 64
+    q = random_tensor(b, hq, nq, d, seed=5)
+    k, v = random_tensor(b, hkv, nk, d, seed=6), random_tensor(b, hkv, nk, d, seed=7)
+    prof, _ = profiled(lambda: torch_kernels.quantized_attention(q, k, v, causal=True))
+    row = only_row(prof, "quantized_attention")
+    assert row["bytes"] == ops.quantized_attention_bytes(hq, hkv, d, [(nq, nk)] * b, FLOAT32_BYTES)
+    assert row["flops"] == 4 * hq * d * b * sum(min(nk, i + nk - nq + 1) for i in range(nq))

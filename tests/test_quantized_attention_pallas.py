@@ -34,7 +34,7 @@ import torch_kernels
 from torch_kernels import backends
 from torch_kernels.reference import quantized_attention as reference
 
-from harness import require_backend, run_isolated
+from harness import assert_compiles_for_tpu_generations, assert_lowers_for_tpu, require_backend, run_isolated
 from test_quantized_attention import each_channel_at, make_qkv as shared_make_qkv
 
 pytestmark = pytest.mark.usefixtures("pallas")
@@ -420,45 +420,13 @@ LOWERINGS = ["bfloat16-fp16-D128", "bfloat16-fp8-D64-grad", "bfloat16-none-D96",
 @pytest.mark.parametrize("name", LOWERINGS)
 def test_lowers_for_tpu(name):
     """Mosaic's TPU lowering on CPU (which enforces the TPU block-shape rules)."""
-    import jax
-
-    fn, shapes = _lowerings()[name]
-    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes)
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
-MOSAIC_CHECK = """
-import jax
-from jax.experimental import topologies
-from jax.sharding import SingleDeviceSharding
-from test_quantized_attention_pallas import _lowerings
-
-cases = _lowerings()
-for generation in ("v5e:2x2", "v6e:2x2", "v5p:2x2x1"):
-    sharding = SingleDeviceSharding(topologies.get_topology_desc(platform="tpu", topology_name=generation).devices[0])
-    for name, (fn, shapes) in cases.items():
-        args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
-        jax.jit(fn).trace(*args).lower().compile()
-    print(generation, "compiled")
-"""
+    assert_lowers_for_tpu(*_lowerings()[name])
 
 
 def test_mosaic_compiles_for_tpu_generations(monkeypatch):
-    """Every lowering above (all forms, forward and gradient) through Mosaic and the TPU compiler
-    ahead of time, no TPU needed. Needs libtpu, which the project does not install: set
-    TORCH_KERNELS_LIBTPU to a folder holding it (``pip install --no-deps --target DIR libtpu``);
-    skipped otherwise. Minutes: Mosaic compiles 30 programs."""
-    import os
-
-    folder = os.environ.get("TORCH_KERNELS_LIBTPU")
-    if not folder:
-        pytest.skip("set TORCH_KERNELS_LIBTPU to a folder with libtpu installed to compile for real TPUs")
-    monkeypatch.setenv("PYTHONPATH", folder)
-    for name, value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("TPU_SKIP_MDS_QUERY", "1")):
-        monkeypatch.setenv(name, value)
-    out = run_isolated(MOSAIC_CHECK)
-    assert out.count("compiled") == 3, out
+    """Every lowering above (all forms, forward and gradient) through Mosaic and the TPU compiler,
+    with libtpu (harness). Minutes: Mosaic compiles 30 programs."""
+    assert_compiles_for_tpu_generations(monkeypatch, "test_quantized_attention_pallas")
 
 
 # ---- torchax ----

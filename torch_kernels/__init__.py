@@ -4,15 +4,14 @@ Every op runs on a pure-PyTorch reference anywhere, on Triton (NVIDIA), on Palla
 torchax (TPU) and on SYCL (Intel); see :mod:`torch_kernels.backends` for how a call picks one.
 Importing this package needs only torch and numpy; backends import their own dependencies on
 first use and report themselves unavailable, with the reason, when those are missing.
+
+The ops' public wrappers (``mahalanobis_score``, ``ragged_paged_attention``, ``fused_moe``, ...)
+come from the op families: each module of ``torch_kernels.ops`` lists its public names in its
+``__all__`` and this package exports them all (see :mod:`torch_kernels.families`).
 """
 
-from . import backends
+from . import backends, families
 from .backends import available_backends, unavailable_reasons, use_backend
-from .ops.ood import edm_score, mahalanobis_score
-from .ops.linear_attention import chunk_gated_delta_rule, chunk_simple_gla, fused_recurrent_gated_delta_rule
-from .ops.paged_attention import ragged_paged_attention, reshape_and_cache
-from .ops.moe import MoEHandle, fused_moe, grouped_mm, moe_combine, moe_dispatch, router_topk
-from .ops.quantized_attention import quantized_attention, quantized_sdpa
 from . import ood
 from .profiling import calibrate_device, profile
 from .autotune import autotune
@@ -24,35 +23,43 @@ def torchax_environment():
     Ops called on torchax tensors inside ``with torchax_environment():`` run their JAX/Pallas
     implementation on the JAX arrays, gradients included.
     """
-    from ._torchax import environment
+    from .pallas.torchax_tensors import environment
 
     return environment()
 
+
+def _wire_the_distributed_exchange() -> None:
+    """The ops sit below :mod:`torch_kernels.distributed`, so the package on top plugs it in:
+    ``moe_dispatch(..., group=)`` imports it on first use (which registers its exchange in place
+    of this one), then the call goes there."""
+    from .ops.moe import GroupPath, group_path, register_group_path
+
+    def dispatch_across_ranks(*args, **kwargs):
+        from . import distributed  # noqa: F401
+
+        return group_path().dispatch(*args, **kwargs)
+
+    register_group_path(GroupPath(dispatch_across_ranks, None, handle_type=()))
+
+
+_wire_the_distributed_exchange()
+
+# each family's public wrappers: the names in its ops module's __all__
+_family_exports = {name: getattr(module, name) for module in families.families().values()
+                   for name in getattr(module, "__all__", ())}
+globals().update(_family_exports)
 
 __all__ = [
     "backends",
     "available_backends",
     "unavailable_reasons",
     "use_backend",
-    "mahalanobis_score",
-    "edm_score",
-    "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule",
-    "chunk_simple_gla",
-    "ragged_paged_attention",
-    "reshape_and_cache",
-    "router_topk",
-    "moe_dispatch",
-    "grouped_mm",
-    "moe_combine",
-    "fused_moe",
-    "MoEHandle",
-    "quantized_attention",
-    "quantized_sdpa",
+    *_family_exports,
     "ood",
     "profile",
     "calibrate_device",
     "torchax_environment",
     "autotune",
 ]
+del _family_exports
 __version__ = "0.1.0"

@@ -43,20 +43,24 @@ def define(
     setup_context: Callable | None = None,
     backward: Callable | None = None,
     tags: tuple = (),
+    library: torch.library.Library | None = None,
 ) -> torch._ops.OpOverload:
     """Define ``torch_kernels::<schema>``, its device kernel, fake and (optionally) autograd.
 
     ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)`` follow the conventions
     of ``torch.library.register_autograd``. Without them the op is inference-only: calling it
-    with inputs that require grad raises.
+    with inputs that require grad raises. ``library``: a ``"FRAGMENT"`` library of the
+    ``torch_kernels`` namespace to define the op in, for an op that :func:`undefine` removes
+    again (a test's); by default the package's own.
     """
     name = schema.split("(", 1)[0]
-    LIB.define(schema, tags=tags)
+    lib = LIB if library is None else library
+    lib.define(schema, tags=tags)
     for key in DEVICE_KEYS:
-        LIB.impl(name, kernel, key)
-    torch.library.register_fake(f"torch_kernels::{name}", fake, lib=LIB)
+        lib.impl(name, kernel, key)
+    torch.library.register_fake(f"torch_kernels::{name}", fake, lib=lib)
     op = getattr(torch.ops.torch_kernels, name).default
-    LIB.impl(name, _autograd_kernel(op, kernel, setup_context, backward), "Autograd")
+    lib.impl(name, _autograd_kernel(op, kernel, setup_context, backward), "Autograd")
     _definitions[name] = _Definition(op, kernel, setup_context, backward)
     return op
 
@@ -70,6 +74,14 @@ class _Definition:
 
 
 _definitions: dict[str, _Definition] = {}
+
+
+def undefine(name: str, library: torch.library.Library) -> None:
+    """Remove op ``name``, defined by ``define(..., library=library)``, with all ``library`` holds."""
+    if library is LIB:
+        raise ValueError("undefine: the package's own ops stay defined")
+    del _definitions[name]
+    library._destroy()
 
 
 @contextlib.contextmanager

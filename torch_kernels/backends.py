@@ -18,7 +18,7 @@ Which backends a call tries, first match wins:
 4. the inputs' device: cpu -> reference; cuda -> triton, reference; xpu -> sycl, triton, reference;
    torchax ('jax') tensors -> pallas, reference. Torchax tensors never reach the kernels
    registered here: torchax runs the op's JAX implementation of the chosen name (pallas, or
-   reference in plain jnp; see ``torch_kernels._torchax``).
+   reference in plain jnp; see ``torch_kernels.pallas.torchax_tensors``).
 
 An explicit choice (1-3) is tried in the order given and nothing else: if every named backend is
 unavailable or raises ``NotImplementedError`` for these inputs, the call fails and says why. The
@@ -46,6 +46,7 @@ __all__ = [
     "available_backends",
     "use_backend",
     "register",
+    "unregister",
     "implementations",
     "resolve",
     "dispatch",
@@ -209,6 +210,13 @@ def register(op: str, backend: str, fn: Callable | str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
     _impls.setdefault(op, {})[backend] = fn
+    _plans.clear()
+
+
+def unregister(op: str) -> None:
+    """Forget every kernel registered for ``op`` (an op defined for a while, as a test's is)."""
+    _impls.pop(op, None)
+    _last.pop(op, None)
     _plans.clear()
 
 

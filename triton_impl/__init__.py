@@ -145,3 +145,8 @@ def resource_usage(compiled) -> dict:
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
         found.update(spill_stores=int(stores), spill_loads=int(loads))
     return found
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how compile-report labels name a dtype."""
+    return str(dtype).removeprefix("torch.")

@@ -3,7 +3,8 @@ each build asks of it: registers, spilled bytes, shared memory, the tensor-core 
 matmuls became, and the occupancy that implies.
 
 Builds are each kernel at its default config for the benchmark shapes (a share of them, or all
-with ``everything=True``) and the target architecture, whose compute capability the default
+with ``everything=True``), which each family module of this package declares in its
+``compile_groups`` and the target architecture, whose compute capability the default
 configs take as a launch takes its device's. :func:`analyze` compiles one build for an architecture and returns a
 plain dict (picklable, so builds can run in a process pool); tests/test_device_compile.py holds
 the rows to the GPU's limits and benchmarks/compiled_kernels.py writes them as a table.
@@ -24,8 +25,6 @@ import functools
 import importlib
 import math
 import re
-
-import torch
 
 ARCHS = (90, 80)
 
@@ -98,142 +97,32 @@ class Build:
         return " ".join(tiles + [f"warps={self.num_warps}", f"stages={stages}"])
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def family_modules() -> dict:
+    """``{family: module}`` for every module of this package that declares ``compile_groups``."""
+    import pkgutil
 
-
-# ---- the builds of each family ----
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-LINEAR_ATTENTION_SIZES = (64, 128, 256)
-PAGED_HEAD_SIZES = (64, 128, 256)
-QUANTIZED_ATTENTION_HEAD_SIZES = (64, 96, 128)
-MAX_SPLITS = 16  # the most key-range splits paged attention's config takes: the merge's widest tile
-PAGED_CASES = [  # (query dtype, cache dtype, decode batch, fused write)
-    (torch.bfloat16, torch.bfloat16, True, False),
-    (torch.bfloat16, torch.bfloat16, False, True),
-    (torch.float16, torch.float8_e4m3fn, True, True),
-    (torch.bfloat16, torch.float8_e5m2, False, False),
-    (torch.float16, torch.int8, True, False),
-    (torch.float32, torch.float32, True, False),
-]
-MOE_GEMMS = ("fused_gate_up", "fused_down", "grouped_mm_kn", "grouped_mm_nk", "weight_grad")
-MOE_CASES = [  # (model, dtype, float8 weights, block shape, tokens, the kernels built (None: all))
-    ("qwen3-30b-a3b", torch.bfloat16, None, None, 4096, None),
-    ("deepseek-v3", torch.bfloat16, None, None, 4096, ("router_topk", "fused_gate_up", "fused_down")),
-    ("qwen3-30b-a3b", torch.float32, None, None, 4096, MOE_GEMMS),  # tf32x3
-    ("deepseek-v3", torch.float16, None, None, 1, MOE_GEMMS),  # decode: 16-row tiles
-    ("deepseek-v3", torch.bfloat16, torch.float8_e4m3fn, (128, 128), 4096, MOE_GEMMS),
-    ("qwen3-30b-a3b", torch.float16, torch.float8_e4m3fn, None, 1, MOE_GEMMS),
-]
-
-
-def linear_attention_builds(size: int, dtypes, arch: int = 90) -> list[Build]:
-    """Every kernel of the delta rule and gated linear attention at K = V = ``size``, configured for
-    ``arch`` (as every family's builds: a launch takes its device's compute capability)."""
-    from . import linear_attention
-
-    return [Build("linear_attention", f"{name} {_name(dtype)} {'delta' if delta else 'gla'} K=V={size}", kernel,
-                  signature, constexprs, config.num_warps, config.num_stages)
-            for dtype in dtypes for delta in (True, False)
-            for name, kernel, signature, constexprs, config, _ in linear_attention.compile_targets(
-                dtype, delta, size, size, arch=arch)]
-
-
-def paged_attention_builds(head_size: int, cases, arch: int = 90) -> list[Build]:
-    """Attention, the cache write and the split merge for each (query, cache, decode, fused) case."""
-    from . import paged_attention as pa
-
-    builds = []
-    for query_dtype, cache_dtype, decode, fused in cases:
-        signature, constexprs, config = pa.compile_targets(query_dtype, cache_dtype, head_size=head_size,
-                                                           decode=decode, fused=fused, arch=arch)
-        label = (f"{_name(query_dtype)} q, {_name(cache_dtype)} cache, {'decode' if decode else 'prefill'}"
-                 f"{', fused' if fused else ''}, D={head_size}")
-        builds.append(Build("paged_attention", f"paged_attention {label}", pa.paged_attention_kernel, signature,
-                            constexprs, config.num_warps, config.num_stages))
-        write_signature, write_constexprs = pa.write_compile_targets(query_dtype, cache_dtype, head_size,
-                                                                     constexprs["HKV"], constexprs["BLOCK_SIZE"])
-        builds.append(Build("paged_attention", f"reshape_and_cache {label}", pa.reshape_and_cache_kernel,
-                            write_signature, write_constexprs, 4, None))
-        builds.append(Build("paged_attention", f"merge_splits {_name(query_dtype)} out, {MAX_SPLITS} splits, "
-                            f"D={head_size}", pa.merge_splits_kernel, {
-                                "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
-                                "out_ptr": "*" + pa._TRITON_TYPES[query_dtype], "num_rows": "i32",
-                                "NUM_SPLITS": "constexpr", "D": "constexpr", "DP": "constexpr"},
-                            dict(NUM_SPLITS=MAX_SPLITS, D=head_size, DP=constexprs["DP"]), 4, None))
-    return builds
-
-
-def ood_builds(dtypes, arch: int = 90) -> list[Build]:
-    """Mahalanobis scoring at 1 and 150 classes and EDM scoring (denoise and scoped) per dtype (the
-    same configs on every ``arch``)."""
-    from . import ood
-
-    builds = []
-    for dtype in dtypes:
-        for classes in (1, 150):
-            signature, constexprs, num_warps = ood.compile_targets(dtype, classes)
-            builds.append(Build("ood", f"mahalanobis_min {_name(dtype)} C={classes}", ood.mahalanobis_min_kernel,
-                                signature, constexprs, num_warps, None))
-        for scoped in (False, True):
-            signature, constexprs, config = ood.edm_compile_targets(dtype, scoped)
-            builds.append(Build("ood", f"edm_score {_name(dtype)} {'scoped' if scoped else 'denoise'} H=512",
-                                ood.edm_score_kernel, signature, constexprs, config.num_warps, config.num_stages))
-    return builds
-
-
-def quantized_attention_builds(head_size: int, dtypes, arch: int = 90) -> list[Build]:
-    """Every kernel of the forward (each P.V dtype) and backward at ``head_size``."""
-    from . import quantized_attention
-
-    return [Build("quantized_attention", f"{label} {_name(dtype)} D={head_size}", kernel, signature, constexprs,
-                  num_warps, num_stages)
-            for dtype in dtypes
-            for label, kernel, signature, constexprs, num_warps, num_stages, _ in
-            quantized_attention.compile_targets(dtype, head_size, arch=arch)]
-
-
-def moe_builds(model: str, dtype: torch.dtype, weight_dtype, block_shape, tokens: int, only,
-               arch: int = 90) -> list[Build]:
-    """One MoE layer of ``model``'s kernels (those named in ``only``; None: all), built as a launch
-    on these shapes specializes them; the row-wise kernels, with no loads to pipeline, as plain
-    builds (the same configs on every ``arch``)."""
-    from . import moe
-
-    weights = f" {_name(weight_dtype)} weights {block_shape or 'per channel'}" if weight_dtype else ""
-    return [Build("moe", f"{target.name} {model} {_name(dtype)}{weights} T={tokens}", target.kernel, target.signature,
-                  target.constexprs, target.config.num_warps, target.config.num_stages if target.has_dots else None,
-                  tuple(target.divisible) if target.has_dots else ())
-            for target in moe.compile_targets(model, dtype, weight_dtype, block_shape, num_tokens=tokens)
-            if only is None or target.name in only]
+    modules = {}
+    for info in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{__package__}.{info.name}")
+            if hasattr(module, "compile_groups"):
+                modules[info.name] = module
+    return modules
 
 
 def build_groups(everything: bool = False) -> dict:
-    """``{group id: function of an arch returning its builds}``, a group per family and size. By default the
-    share CI builds: every kernel at every size, for a share of the dtypes (linear attention
-    float32 and bfloat16 at K = V = 256, the widest state, float16 at 128, bfloat16 at 64: the chunk
-    kernels' tiles do not change with K, V, and float16 and bfloat16 share them; paged attention
-    every case at head size 256 and a few at 64 and 128; quantized attention every kernel at head
-    sizes 64, 96 and 128, float32 at 128 only; MoE the GEMMs at prefill and decode, 16-bit,
-    float32 and float8 weights). ``everything``: every size for every dtype (about 400 builds)."""
-    shares = {64: (torch.bfloat16,), 128: (torch.float16,), 256: (torch.float32, torch.bfloat16)}
-    groups = {f"linear_attention-K{size}": functools.partial(linear_attention_builds, size,
-                                                             DTYPES if everything else shares[size])
-              for size in LINEAR_ATTENTION_SIZES}
-    few = [PAGED_CASES[0], PAGED_CASES[1], PAGED_CASES[5]]  # 16-bit decode, prefill; float32 (most shared)
-    groups.update({f"paged_attention-D{size}": functools.partial(
-        paged_attention_builds, size, PAGED_CASES if everything or size == 256 else few) for size in PAGED_HEAD_SIZES})
-    groups["ood"] = functools.partial(ood_builds, DTYPES)
-    quantized_shares = {64: (torch.float16,), 96: (torch.bfloat16,), 128: (torch.bfloat16, torch.float32)}
-    groups.update({f"quantized_attention-D{size}": functools.partial(
-        quantized_attention_builds, size, DTYPES if everything else quantized_shares[size])
-        for size in QUANTIZED_ATTENTION_HEAD_SIZES})
-    for number, case in enumerate(MOE_CASES):
-        model, dtype, weight_dtype, block_shape, tokens, only = case
-        groups[f"moe-{model}-{_name(dtype)}{'-fp8' if weight_dtype else ''}-T{tokens}"] = functools.partial(
-            moe_builds, model, dtype, weight_dtype, block_shape, tokens, None if everything else only)
+    """``{group id: function of an arch returning its builds}``: every family's groups (its
+    ``compile_groups(everything)``, whose docstring says what CI's share of it is). By default the
+    share CI builds; ``everything``: every size for every dtype (about 400 builds)."""
+    groups = {}
+    for family, module in family_modules().items():
+        for group, make in module.compile_groups(everything).items():
+            groups[group] = functools.partial(_family_builds, family, make)
     return groups
+
+
+def _family_builds(family: str, make, arch: int = 90) -> list[Build]:
+    return [Build(family=family, **fields) for fields in make(arch)]
 
 
 def builds_for(group_builds, arch: int) -> list[Build]:

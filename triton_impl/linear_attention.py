@@ -64,10 +64,10 @@ cumulative decay is ever formed.
 Precision: as the reference's, whatever the inputs' dtype: float32 states, intermediates and
 accumulation, and q, k normalized in float32 (``use_qk_l2norm``). On a GPU every product with a
 float32 operand (a state or its gradient, a decayed or solved tile, ``T``, ``W``) is tf32x3
-(``_dot32``), never rounded to a 16-bit input dtype: rounded (bfloat16 inputs on an H200), the chunk
+(``common.dot_tf32x3``), never rounded to a 16-bit input dtype: rounded (bfloat16 inputs on an H200), the chunk
 kernels' outputs were ~35x and their final states ~10^4x further from the truth than the
 reference's, element by element. Only products of two input tiles as loaded take 16-bit operands
-(``_dot``, exact products): ``Q K^T`` in the output kernel and gated linear attention's ``dO V^T``.
+(``common.dot_inputs``, exact products): ``Q K^T`` in the output kernel and gated linear attention's ``dO V^T``.
 A decay that multiplies a state step after step (each step of the recurrent forms, each chunk of
 the walks) takes the math library's ``exp``, as torch does, not ``tl.exp``'s approximation, whose
 ulps compound. The interpreter (CPU tensors) computes everything in float32 (its bfloat16 is wrong)
@@ -86,6 +86,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import arch_of, autotune, for_device
+from .common import dot_inputs, dot_tf32x3
 
 CHUNK = 64
 SUB = 16  # the WY inverse's diagonal blocks (tl.dot's smallest tile)
@@ -166,23 +167,6 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
 
 
 @triton.jit
-def _dot32(a, b):
-    """``a @ b`` of float32 values (states, decayed or solved intermediates) as tf32x3: three tf32
-    tensor-core products, about float32's accuracy (module docstring, Precision)."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
-
-
-@triton.jit
-def _dot(a, b, LOW: tl.constexpr, DT: tl.constexpr):
-    """``a @ b`` accumulated in float32: operands in the 16-bit input dtype ``DT`` when LOW, else as
-    :func:`_dot32`. Here only for products of two input tiles as loaded (``Q K^T``, ``dO V^T``),
-    whose 16-bit products are exact; every other product is :func:`_dot32`."""
-    if LOW:
-        return tl.dot(a.to(DT), b.to(DT))
-    return _dot32(a, b)
-
-
-@triton.jit
 def _exp(x, ACCURATE: tl.constexpr):
     """``exp(x)`` for a decay that multiplies a state step after step (the errors compound): the
     math library's (as torch's) when ACCURATE, not ``tl.exp``'s fast approximation (``ex2.approx``
@@ -256,7 +240,7 @@ def _block_diagonal_inverse(a, SB: tl.constexpr, N: tl.constexpr):
     x = eye
     for r in range(1, SB):
         step = (idx % SB == r)[:, None]
-        x = tl.where(step, eye - _dot32(tl.where(step, diag, 0.0), x), x)
+        x = tl.where(step, eye - dot_tf32x3(tl.where(step, diag, 0.0), x), x)
     return x
 
 
@@ -267,10 +251,10 @@ def _unit_lower_inverse(a, SB: tl.constexpr, N: tl.constexpr):
     ``M^(N / SB) = 0`` and the inverse is ``(I - M + M^2 - ...) Lb^-1`` exactly, taken by Horner."""
     idx = tl.arange(0, N)
     lb_inv = _block_diagonal_inverse(a, SB, N)
-    m = _dot32(lb_inv, tl.where(idx[:, None] // SB > idx[None, :] // SB, a, 0.0))
+    m = dot_tf32x3(lb_inv, tl.where(idx[:, None] // SB > idx[None, :] // SB, a, 0.0))
     x = lb_inv
     for _ in tl.static_range(N // SB - 1):
-        x = lb_inv - _dot32(m, x)
+        x = lb_inv - dot_tf32x3(m, x)
     return x
 
 
@@ -301,9 +285,9 @@ def wy_kernel(
         dims = k0 + tl.arange(0, BK)
         k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
         k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
-        kk11 += _dot32(k1, tl.trans(k1))
-        kk21 += _dot32(k2, tl.trans(k1))
-        kk22 += _dot32(k2, tl.trans(k2))
+        kk11 += dot_tf32x3(k1, tl.trans(k1))
+        kk21 += dot_tf32x3(k2, tl.trans(k1))
+        kk22 += dot_tf32x3(k2, tl.trans(k2))
     beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
     beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
     g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
@@ -314,7 +298,7 @@ def wy_kernel(
     # T = [[T11, 0], [T21, T22]]: T11 = (I + A11)^-1, T22 = (I + A22)^-1, T21 = -T22 A21 T11
     t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
     t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
-    t21 = -_dot32(t22, _dot32(beta2[:, None] * across * kk21, t11))
+    t21 = -dot_tf32x3(t22, dot_tf32x3(beta2[:, None] * across * kk21, t11))
     if STORE_T:
         _store_rows(t_ptr, t11, rows1, ok1, hv, HV, steps, steps < HALF, C)
         _store_rows(t_ptr, tl.zeros([HALF, HALF], tl.float32), rows1, ok1, hv, HV, HALF + steps, steps < HALF, C)
@@ -325,15 +309,15 @@ def wy_kernel(
         k_ok = dims < K
         k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * (beta1 * tl.exp(b1))[:, None]
         k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * (beta2 * tl.exp(b2))[:, None]
-        _store_rows(wk_ptr, _dot32(t11, k1), rows1, ok1, hv, HV, dims, k_ok, K)
-        _store_rows(wk_ptr, _dot32(t21, k1) + _dot32(t22, k2), rows2, ok2, hv, HV, dims, k_ok, K)
+        _store_rows(wk_ptr, dot_tf32x3(t11, k1), rows1, ok1, hv, HV, dims, k_ok, K)
+        _store_rows(wk_ptr, dot_tf32x3(t21, k1) + dot_tf32x3(t22, k2), rows2, ok2, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
         v1 = _rows(v_ptr, rows1, ok1, hv, HV, cols, v_ok, V) * beta1[:, None]
         v2 = _rows(v_ptr, rows2, ok2, hv, HV, cols, v_ok, V) * beta2[:, None]
-        _store_rows(u_ptr, _dot32(t11, v1), rows1, ok1, hv, HV, cols, v_ok, V)
-        _store_rows(u_ptr, _dot32(t21, v1) + _dot32(t22, v2), rows2, ok2, hv, HV, cols, v_ok, V)
+        _store_rows(u_ptr, dot_tf32x3(t11, v1), rows1, ok1, hv, HV, cols, v_ok, V)
+        _store_rows(u_ptr, dot_tf32x3(t21, v1) + dot_tf32x3(t22, v2), rows2, ok2, hv, HV, cols, v_ok, V)
 
 
 @triton.jit
@@ -392,7 +376,7 @@ def chunk_state_kernel(
             for k0 in range(0, K, BK):
                 block = k0 + tl.arange(0, BK)
                 wk = _rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)
-                w -= _dot32(wk, _state_block(state, block, cols, K, V))
+                w -= dot_tf32x3(wk, _state_block(state, block, cols, K, V))
             _store_rows(u_ptr, w, rows, ok, hv, HV, cols, v_ok, V)
         else:
             w = _rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V)
@@ -401,7 +385,7 @@ def chunk_state_kernel(
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * end_decay[:, None]
-            updated = chunk_decay * _state_block(state, block, cols, K, V) + _dot32(tl.trans(k_decayed), w)
+            updated = chunk_decay * _state_block(state, block, cols, K, V) + dot_tf32x3(tl.trans(k_decayed), w)
             _store_state_block(following, updated, block, cols, K, V)
         state = following
 
@@ -410,7 +394,7 @@ def chunk_state_kernel(
 def chunk_output_kernel(
     q_ptr, k_ptr, w_ptr, g_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, LOW: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, SIXTEEN_BIT: tl.constexpr,
 ):
     """``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` of chunk ``program_id(0)``, value head
     ``program_id(1)``, V block ``program_id(2)``."""
@@ -430,13 +414,13 @@ def chunk_output_kernel(
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
         q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-        qk += _dot(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), LOW, DT)
+        qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
         state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        qs += _dot32(q, state)
+        qs += dot_tf32x3(q, state)
     g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-    o = scale * (tl.exp(b)[:, None] * qs + _dot32(qk * _decay(g, ok, ok, False, C), w))
+    o = scale * (tl.exp(b)[:, None] * qs + dot_tf32x3(qk * _decay(g, ok, ok, False, C), w))
     _store_rows(o_ptr, o, rows, ok, hv, HV, cols, v_ok, V)
 
 
@@ -487,10 +471,10 @@ def chunk_state_backward_kernel(
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
-            qk += _dot32(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
-            dw += _dot32(k * end_decay[:, None], _state_block(d_state, block, cols, K, V))
+            qk += dot_tf32x3(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
+            dw += dot_tf32x3(k * end_decay[:, None], _state_block(d_state, block, cols, K, V))
         do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        dw += scale * _dot32(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
+        dw += scale * dot_tf32x3(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
         _store_rows(dw_ptr, dw, rows, ok, hv, HV, cols, v_ok, V)
         chunk_decay = _exp(tl.sum(g, axis=0), ACCURATE_EXP)
         exp_b = tl.exp(b)
@@ -498,9 +482,9 @@ def chunk_state_backward_kernel(
             block = k0 + tl.arange(0, BK)
             q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * exp_b[:, None]
             updated = chunk_decay * _state_block(d_state, block, cols, K, V)
-            updated += scale * _dot32(tl.trans(q_decayed), do)
+            updated += scale * dot_tf32x3(tl.trans(q_decayed), do)
             if DELTA:
-                updated -= _dot32(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw)
+                updated -= dot_tf32x3(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw)
             _store_state_block(preceding, updated, block, cols, K, V)
         d_state = preceding
 
@@ -510,7 +494,7 @@ def chunk_grad_pairs_kernel(
     v_ptr, w_ptr, g_ptr, beta_ptr, t_ptr, do_ptr, dw_ptr, dp_ptr, da_ptr, dv_ptr, dbeta_ptr,
     chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
     HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr,
-    DELTA: tl.constexpr, LOW: tl.constexpr,
+    DELTA: tl.constexpr, SIXTEEN_BIT: tl.constexpr,
 ):
     """The ``[C, C]`` products with ``W`` of chunk ``program_id(0)``, value head ``program_id(1)``
     (module docstring, step 5): ``dP = scale (dO W^T) * D`` (lower) to ``dp``; for the delta rule
@@ -533,13 +517,13 @@ def chunk_grad_pairs_kernel(
         cols = v0 + tl.arange(0, BV)
         v_ok = cols < V
         w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        do_w += _dot(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(w), LOW and not DELTA, DT)
+        do_w += dot_inputs(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(w), SIXTEEN_BIT and not DELTA, DT)
         if DELTA:
-            dr = _dot32(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V))
+            dr = dot_tf32x3(t_inv_t, _rows(dw_ptr, rows, ok, hv, HV, cols, v_ok, V))
             _store_rows(dw_ptr, dr, rows, ok, hv, HV, cols, v_ok, V)
             _store_rows(dv_ptr, beta[:, None] * dr, rows, ok, hv, HV, cols, v_ok, V)
             dbeta += tl.sum(_rows(v_ptr, rows, ok, hv, HV, cols, v_ok, V) * dr, axis=1)
-            dr_w += _dot32(dr, tl.trans(w))
+            dr_w += dot_tf32x3(dr, tl.trans(w))
     g = _gates(g_ptr, rows, ok, hv, HV, HAS_G, C)
     decay = _decay(g, ok, ok, False, C)
     _store_rows(dp_ptr, scale * do_w * decay, rows, ok, hv, HV, steps, steps < C, C)
@@ -583,12 +567,12 @@ def chunk_grad_kernel(
         state_ok = k_ok[:, None] & v_ok[None, :]
         state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
         d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-        do_s += _dot32(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
-        w_ds += _dot32(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
+        do_s += dot_tf32x3(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+        w_ds += dot_tf32x3(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
         if HAS_G:
             ds_s += tl.sum(tl.sum(d_state * state, axis=1), axis=0)
         if DELTA:
-            dr_s += _dot32(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+            dr_s += dot_tf32x3(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
     g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     exp_b = tl.where(ok, tl.exp(b), 0.0)
     end_decay = tl.where(ok, tl.exp(to_end), 0.0)
@@ -614,14 +598,14 @@ def chunk_grad_kernel(
         k_part = _rows(k_ptr, part_rows, part_ok, kh, H, dims, k_ok, K)
         dp_cols = _rows(dp_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C)
         dp_diag += tl.sum(tl.where(steps[:, None] == part_steps[None, :], dp_cols, 0.0), axis=1)
-        dp_k += _dot32(tl.where(below, dp_cols, 0.0), k_part)
+        dp_k += dot_tf32x3(tl.where(below, dp_cols, 0.0), k_part)
         dp_rows = tl.where(above, _rows(dp_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
-        dp_q += _dot32(tl.trans(dp_rows), _rows(q_ptr, part_rows, part_ok, kh, H, dims, k_ok, K))
+        dp_q += dot_tf32x3(tl.trans(dp_rows), _rows(q_ptr, part_rows, part_ok, kh, H, dims, k_ok, K))
         if DELTA:
             beta_part = tl.load(beta_ptr + part_rows.to(tl.int64) * HV + hv, mask=part_ok, other=0.0)
-            da_k += _dot32(_rows(da_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C), k_part)
+            da_k += dot_tf32x3(_rows(da_ptr, rows, ok, hv, HV, part_steps, part_steps < C, C), k_part)
             da_rows = _rows(da_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C)
-            da_bk += _dot32(tl.trans(da_rows), k_part * beta_part[:, None])
+            da_bk += dot_tf32x3(tl.trans(da_rows), k_part * beta_part[:, None])
     dq = scale * exp_b[:, None] * do_s + dp_k + dp_diag[:, None] * k
     dk = dp_q + dp_diag[:, None] * q + end_decay[:, None] * w_ds
     # dL/db_t term by term: each is a pair (write s, read t > s) carrying its decay, or a read of
@@ -662,18 +646,18 @@ def reverse_cumsum_kernel(x_ptr, y_ptr, cu_ptr, HV: tl.constexpr, C: tl.constexp
             carry += tl.sum(x, axis=0)
 
 
+# What a recurrent_kernel launch writes besides the final state (its WRITES): the outputs, the
+# delta rule's errors e_t (which the backward replays), or the backward's read terms.
+WRITES_OUTPUTS, WRITES_ERRORS, WRITES_READ_GRADIENTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, out_ptr, ht_ptr, do_ptr, dht_ptr, dv_ptr, dq_ptr, dk_ptr, db_ptr,
-    cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-    BV: tl.constexpr, MODE: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
-    HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-):
-    """The recurrence step by step for sequence ``program_id(0)``, value head ``program_id(1)``, V
-    block ``program_id(2)``, ending with the final state in ``ht``. MODE 0: the outputs to ``out``;
-    MODE 1: the delta rule's errors ``e_t`` to ``out``; MODE 2 (backward, ``dv`` holding ``de``):
-    this V block's parts (``[V blocks, tokens, HV, *]``) of ``dq``, of ``dk``'s read term and of
-    ``dL/dB``'s read terms (``db``)."""
+def _recurrent_program(cu_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       KP: tl.constexpr, BV: tl.constexpr):
+    """Where a recurrent kernel's program works: sequence ``n``, value head ``hv`` (of key head
+    ``kh``), V block ``vb``; the sequence's tokens ``start:end``; the K dimensions and this block's V
+    columns (and which are real); the offsets of its ``[KP, BV]`` part of a ``[K, V]`` state (and
+    which are real)."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -686,12 +670,29 @@ def recurrent_kernel(
     v_ok = cols < V
     state_offs = dims[:, None] * V + cols[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
+    return n, hv, vb, kh, start, end, dims, k_ok, cols, v_ok, state_offs, state_ok
+
+
+@triton.jit
+def recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, out_ptr, ht_ptr, do_ptr, dht_ptr, dv_ptr, dq_ptr, dk_ptr, db_ptr,
+    cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+    BV: tl.constexpr, WRITES: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
+    HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+):
+    """The recurrence step by step for sequence ``program_id(0)``, value head ``program_id(1)``, V
+    block ``program_id(2)``, ending with the final state in ``ht``. WRITES_OUTPUTS: the outputs to
+    ``out``; WRITES_ERRORS: the delta rule's errors ``e_t`` to ``out``; WRITES_READ_GRADIENTS
+    (backward, ``dv`` holding ``de``): this V block's parts (``[V blocks, tokens, HV, *]``) of
+    ``dq``, of ``dk``'s read term and of ``dL/dB``'s read terms (``db``)."""
+    n, hv, vb, kh, start, end, dims, k_ok, cols, v_ok, state_offs, state_ok = _recurrent_program(
+        cu_ptr, H, HV, K, V, KP, BV)
     state_base = (n * HV + hv).to(tl.int64) * K * V
     if HAS_H0:
         state = tl.load(h0_ptr + state_base + state_offs, mask=state_ok, other=0.0)
     else:
         state = tl.zeros([KP, BV], tl.float32)
-    if MODE == 2 and HAS_DHT:
+    if WRITES == WRITES_READ_GRADIENTS and HAS_DHT:
         d_final = tl.load(dht_ptr + state_base + state_offs, mask=state_ok, other=0.0)
     num_tokens = tl.load(cu_ptr + tl.num_programs(0))
     for j in range(end - start):
@@ -704,10 +705,10 @@ def recurrent_kernel(
             state *= _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
         if DELTA:
             e = u - tl.sum(state * k[:, None], axis=0)
-            if MODE == 1:
+            if WRITES == WRITES_ERRORS:
                 tl.store(out_ptr + v_offs, e, mask=v_ok)
             u = tl.load(beta_ptr + t * HV + hv) * e
-        if MODE == 2:
+        if WRITES == WRITES_READ_GRADIENTS:
             # the read terms before this step's write: each then carries a decay (see db below)
             part = (vb * num_tokens + t) * HV + hv
             q = tl.load(q_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
@@ -724,7 +725,7 @@ def recurrent_kernel(
             tl.store(db_ptr + part, db)
             tl.store(dq_ptr + part * K + dims, dq + scale * k * tl.sum(u * do, axis=0), mask=k_ok)
         state += k[:, None] * u[None, :]
-        if MODE == 0:
+        if WRITES == WRITES_OUTPUTS:
             q = tl.load(q_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
             o = scale * tl.sum(state * q[:, None], axis=0)
             tl.store(out_ptr + v_offs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
@@ -740,18 +741,8 @@ def recurrent_backward_kernel(
     """The backward walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` with ``dS`` in registers: ``dv`` (= ``de`` for the delta rule), this V
     block's parts of ``dbeta``, of ``dk``'s write term and of ``dL/dB``'s write terms, and ``dh0``."""
-    n = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = hv // (HV // H)
-    start = tl.load(cu_ptr + n)
-    end = tl.load(cu_ptr + n + 1)
-    dims = tl.arange(0, KP)
-    k_ok = dims < K
-    cols = vb * BV + tl.arange(0, BV)
-    v_ok = cols < V
-    state_offs = dims[:, None] * V + cols[None, :]
-    state_ok = k_ok[:, None] & v_ok[None, :]
+    n, hv, vb, kh, start, end, dims, k_ok, cols, v_ok, state_offs, state_ok = _recurrent_program(
+        cu_ptr, H, HV, K, V, KP, BV)
     if HAS_DHT:
         d_state = tl.load(dht_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, mask=state_ok, other=0.0)
     else:
@@ -977,7 +968,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
         config = x.config("chunk_output")
         x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
                  x.q, x.k, w, _or(x.g, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None,
-                 LOW=x.low_qk)
+                 SIXTEEN_BIT=x.low_qk)
     return o.view(v.shape), ht
 
 
@@ -1028,7 +1019,7 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
         x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
                  chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta,
-                 LOW=x.low_v and do.dtype == x.v.dtype)
+                 SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)
         config = x.config("chunk_grad")
         blocks = triton.cdiv(k_dim, config.block_k)
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
@@ -1046,7 +1037,7 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     return _finish(x, dq, dk, dv, dg, dbeta, dh0, initial_state is not None)
 
 
-def _recurrent(x: _Problem, mode: int, scale: float, out=None, ht=None, do=None, dht=None, dv=None, dq=None,
+def _recurrent(x: _Problem, writes: tl.constexpr, scale: float, out=None, ht=None, do=None, dht=None, dv=None, dq=None,
                dk=None, db=None):
     _, _, value_heads, _, v_dim = x.shape
     config = x.config("recurrent")
@@ -1054,7 +1045,7 @@ def _recurrent(x: _Problem, mode: int, scale: float, out=None, ht=None, do=None,
     x.launch(recurrent_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.q, x.k, x.v, _or(x.g, unread), _or(x.beta, unread), _or(x.h0, unread), _or(out, unread), ht,
              _or(do, unread), _or(dht, unread), _or(dv, unread), _or(dq, unread), _or(dk, unread), _or(db, unread),
-             x.cu, scale, MODE=mode, HAS_G=x.g is not None, DELTA=x.beta is not None, HAS_H0=x.h0 is not None,
+             x.cu, scale, WRITES=writes.value, HAS_G=x.g is not None, DELTA=x.beta is not None, HAS_H0=x.h0 is not None,
              HAS_DHT=dht is not None, ACCURATE_EXP=not x.interpreted)
 
 
@@ -1065,7 +1056,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk
     tokens, _, value_heads, k_dim, v_dim = x.shape
     o = torch.empty_like(x.v)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, dtype=torch.float32, device=x.q.device)
-    _recurrent(x, 0, scale, out=o, ht=ht)
+    _recurrent(x, WRITES_OUTPUTS, scale, out=o, ht=ht)
     return o.view(v.shape), ht
 
 
@@ -1087,7 +1078,7 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     e = None
     if delta:
         e = torch.empty(tokens, value_heads, v_dim, **f32)
-        _recurrent(x, 1, scale, out=e, ht=ht)
+        _recurrent(x, WRITES_ERRORS, scale, out=e, ht=ht)
     dv = torch.empty(tokens, value_heads, v_dim, **f32)
     dk_write = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     db_write = torch.empty(blocks, tokens, value_heads, **f32)
@@ -1100,7 +1091,7 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     dq = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     dk_read = torch.empty(blocks, tokens, value_heads, k_dim, **f32) if delta else None
     db_read = torch.empty(blocks, tokens, value_heads, **f32)
-    _recurrent(x, 2, scale, ht=ht, do=do, dht=dht, dv=dv, dq=dq, dk=dk_read, db=db_read)
+    _recurrent(x, WRITES_READ_GRADIENTS, scale, ht=ht, do=do, dht=dht, dv=dv, dq=dq, dk=dk_read, db=db_read)
     dk = dk_write.sum(0) if dk_read is None else dk_write.sum(0) + dk_read.sum(0)
     dg = None
     if x.g is not None:
@@ -1148,11 +1139,11 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
         ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_G=True, HAS_H0=True, DELTA=delta, **accurate),
          True, None),
-        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, LOW=low), True, None),
+        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low), True, None),
         ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
          dict(HAS_G=True, HAS_DHT=True, DELTA=delta, **accurate), True, None),
-        ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs", dict(HAS_G=True, DELTA=delta, LOW=low),
-         True, None),
+        ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs",
+         dict(HAS_G=True, DELTA=delta, SIXTEEN_BIT=low), True, None),
         ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(HAS_G=True, DELTA=delta), True, None),
         ("reverse_cumsum", reverse_cumsum_kernel, None, dict(WITHIN_CHUNKS=True), False, None),
         ("recurrent_backward", recurrent_backward_kernel, "recurrent",
@@ -1160,14 +1151,38 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
     ]
     if delta:
         cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True), True, None))
-    for mode, out_type in ((0, "*" + _TRITON_TYPES[dtype]), (1, "*fp32"), (2, "*fp32")):
-        if mode != 1 or delta:
-            cases.append((f"recurrent_mode{mode}", recurrent_kernel, "recurrent",
-                          dict(MODE=mode, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True, **accurate), False,
-                          out_type))
+    for writes, out_type in ((WRITES_OUTPUTS, "*" + _TRITON_TYPES[dtype]), (WRITES_ERRORS, "*fp32"),
+                             (WRITES_READ_GRADIENTS, "*fp32")):
+        if writes is not WRITES_ERRORS or delta:
+            cases.append((f"recurrent_mode{writes.value}", recurrent_kernel, "recurrent",
+                          dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True, **accurate),
+                          False, out_type))
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)
         constexprs = _constexprs(kernel, heads, value_heads, k_dim, v_dim, config, **kernel_flags)
         targets.append((name, kernel, _signature(kernel, dtype, constexprs, delta, out_type), constexprs, config, dots))
     return targets
+
+
+def compile_groups(everything: bool) -> dict:
+    """The compile report's builds of this family: ``{group id: function of an arch returning its
+    builds}``, a build being ``compile_report.Build``'s fields but ``family``. A group per K = V.
+    By default the share CI builds: float32 and bfloat16 at K = V = 256 (the widest state), float16
+    at 128, bfloat16 at 64 (the chunk kernels' tiles do not change with K, V, and float16 and
+    bfloat16 share them); ``everything``: every dtype at every size."""
+    from . import dtype_name
+
+    shares = {64: (torch.bfloat16,), 128: (torch.float16,), 256: (torch.float32, torch.bfloat16)}
+
+    def builds(size: int, dtypes, arch: int = 90) -> list[dict]:
+        return [dict(label=f"{name} {dtype_name(dtype)} {'delta' if delta else 'gla'} K=V={size}", kernel=kernel,
+                     signature=signature, constexprs=constexprs, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
+                for dtype in dtypes for delta in (True, False)
+                for name, kernel, signature, constexprs, config, _ in compile_targets(dtype, delta, size, size,
+                                                                                      arch=arch)]
+
+    return {f"linear_attention-K{size}": functools.partial(builds, size, tuple(_TRITON_TYPES) if everything
+                                                           else dtypes)
+            for size, dtypes in shares.items()}

@@ -795,3 +795,39 @@ def compile_targets(model: str, dtype: torch.dtype, weight_dtype: torch.dtype | 
     add("moe_combine", combine_kernel, combine, dict(HAS_WEIGHTS=True, **combine_flags),
         dict(y_ptr=act, out_ptr=act, **index), False)
     return targets
+
+
+_GEMMS = ("fused_gate_up", "fused_down", "grouped_mm_kn", "grouped_mm_nk", "weight_grad")
+_COMPILE_CASES = [  # (model, dtype, float8 weights, block shape, tokens, the kernels CI builds (None: all))
+    ("qwen3-30b-a3b", torch.bfloat16, None, None, 4096, None),
+    ("deepseek-v3", torch.bfloat16, None, None, 4096, ("router_topk", "fused_gate_up", "fused_down")),
+    ("qwen3-30b-a3b", torch.float32, None, None, 4096, _GEMMS),  # tf32x3
+    ("deepseek-v3", torch.float16, None, None, 1, _GEMMS),  # decode: 16-row tiles
+    ("deepseek-v3", torch.bfloat16, torch.float8_e4m3fn, (128, 128), 4096, _GEMMS),
+    ("qwen3-30b-a3b", torch.float16, torch.float8_e4m3fn, None, 1, _GEMMS),
+]
+
+
+def compile_groups(everything: bool) -> dict:
+    """The compile report's builds of this family: ``{group id: function of an arch returning its
+    builds}``, a build being ``compile_report.Build``'s fields but ``family``. A group per (model,
+    dtype, weights, tokens) case: one MoE layer's kernels, built as a launch on these shapes
+    specializes them; the row-wise kernels, with no loads to pipeline, as plain builds (the same
+    configs on every arch). By default the share CI builds: the GEMMs at prefill and decode,
+    16-bit, float32 and float8 weights; ``everything``: every kernel of every case."""
+    import functools
+
+    from . import dtype_name
+
+    def builds(model, dtype, weight_dtype, block_shape, tokens, only, arch: int = 90) -> list[dict]:
+        weights = f" {dtype_name(weight_dtype)} weights {block_shape or 'per channel'}" if weight_dtype else ""
+        return [dict(label=f"{target.name} {model} {dtype_name(dtype)}{weights} T={tokens}", kernel=target.kernel,
+                     signature=target.signature, constexprs=target.constexprs, num_warps=target.config.num_warps,
+                     num_stages=target.config.num_stages if target.has_dots else None,
+                     divisible=tuple(target.divisible) if target.has_dots else ())
+                for target in compile_targets(model, dtype, weight_dtype, block_shape, num_tokens=tokens)
+                if only is None or target.name in only]
+
+    return {f"moe-{model}-{dtype_name(dtype)}{'-fp8' if weight_dtype else ''}-T{tokens}": functools.partial(
+                builds, model, dtype, weight_dtype, block_shape, tokens, None if everything else only)
+            for model, dtype, weight_dtype, block_shape, tokens, only in _COMPILE_CASES}

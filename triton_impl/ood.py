@@ -393,3 +393,28 @@ def edm_compile_targets(dtype: torch.dtype, scoped: bool, hidden: int = 512, fea
     constexprs = {"BLOCK_B": config.block_b, "BLOCK_D": config.block_d, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "SCOPED": scoped}
     return signature, constexprs, config
+
+
+def compile_groups(everything: bool) -> dict:
+    """The compile report's builds of this family: ``{group id: function of an arch returning its
+    builds}``, a build being ``compile_report.Build``'s fields but ``family``. One group, the same
+    with and without ``everything``: Mahalanobis scoring at 1 and 150 classes and EDM scoring
+    (denoise and scoped) for every dtype (the same configs on every arch)."""
+    from . import dtype_name
+
+    def builds(arch: int = 90) -> list[dict]:
+        found = []
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for classes in (1, 150):
+                signature, constexprs, num_warps = compile_targets(dtype, classes)
+                found.append(dict(label=f"mahalanobis_min {dtype_name(dtype)} C={classes}",
+                                  kernel=mahalanobis_min_kernel, signature=signature, constexprs=constexprs,
+                                  num_warps=num_warps, num_stages=None))
+            for scoped in (False, True):
+                signature, constexprs, config = edm_compile_targets(dtype, scoped)
+                found.append(dict(label=f"edm_score {dtype_name(dtype)} {'scoped' if scoped else 'denoise'} H=512",
+                                  kernel=edm_score_kernel, signature=signature, constexprs=constexprs,
+                                  num_warps=config.num_warps, num_stages=config.num_stages))
+        return found
+
+    return {"ood": builds}

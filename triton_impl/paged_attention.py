@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import arch_of, autotune, for_device
+from .common import round_to_fp8_grid, sequence_of
 
 # cache dtype -> how the kernels round a float32 value to it
 _CACHE_KINDS = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.int8: 1,
@@ -91,17 +92,6 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
 
 
 @triton.jit
-def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """``x`` rounded half to even onto the fp8 values, still in float32 (so the cast after it is
-    exact; the interpreter's own fp8 cast does not carry a rounding into the next binade)."""
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp_exponent = tl.maximum(exponent, MIN_EXPONENT) - MANTISSA_BITS  # subnormals share the lowest
-    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = ((x / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2**23 rounds to an integer, half to even
-    return tl.where(rounded == 0.0, x * 0.0, rounded)  # keeps the sign of a zero
-
-
-@triton.jit
 def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
     """float32 ``x`` (already divided by its scale) rounded to the cache dtype, as stored."""
     if CACHE_KIND == 1:  # int8: round half to even, saturate
@@ -110,9 +100,9 @@ def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
         x = (x + 12582912.0) - 12582912.0  # 1.5 * 2**23 rounds to an integer, half to even
     elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value; NaN stays NaN (a plain min/max drops it)
         if cache_dtype == tl.float8e4nv:
-            y = _round_to_fp8_grid(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), 3, -6)
+            y = round_to_fp8_grid(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), 3, -6)
         else:
-            y = _round_to_fp8_grid(tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL), 2, -14)
+            y = round_to_fp8_grid(tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL), 2, -14)
         # NaN as all exponent and mantissa bits (the interpreter's cast makes NaN a finite code)
         code = y.to(cache_dtype).to(tl.uint8, bitcast=True)
         return tl.where(x != x, code | 0x7F, code).to(tl.uint8).to(cache_dtype, bitcast=True)
@@ -153,20 +143,6 @@ def reshape_and_cache_kernel(
                  _round_to_cache(k / k_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
         tl.store(value_cache_ptr + v_entry + dims[None, :],
                  _round_to_cache(v / v_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
-
-
-@triton.jit
-def _sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q: tl.constexpr):
-    """The sequence owning query block ``block``: sequence s's blocks start at cu[s] // BLOCK_Q + s."""
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(cu_q_lens_ptr + mid) // BLOCK_Q + mid <= block:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @triton.jit
@@ -355,7 +331,7 @@ def paged_attention_kernel(
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q)
+    seq = sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q)
     q_begin = tl.load(cu_q_lens_ptr + seq)
     q_end = tl.load(cu_q_lens_ptr + seq + 1)
     q_start = q_begin + (block - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
@@ -643,3 +619,50 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
     }
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs, config
+
+
+_COMPILE_CASES = [  # (query dtype, cache dtype, decode batch, fused write)
+    (torch.bfloat16, torch.bfloat16, True, False),
+    (torch.bfloat16, torch.bfloat16, False, True),
+    (torch.float16, torch.float8_e4m3fn, True, True),
+    (torch.bfloat16, torch.float8_e5m2, False, False),
+    (torch.float16, torch.int8, True, False),
+    (torch.float32, torch.float32, True, False),
+]
+_MAX_SPLITS = 16  # the most key-range splits the config takes: the merge's widest tile
+
+
+def compile_groups(everything: bool) -> dict:
+    """The compile report's builds of this family: ``{group id: function of an arch returning its
+    builds}``, a build being ``compile_report.Build``'s fields but ``family``. A group per head size,
+    each with attention, the cache write and the split merge per (query, cache, decode, fused) case.
+    By default the share CI builds: every case at head size 256, and 16-bit decode and prefill and
+    float32 (the most shared memory) at 64 and 128; ``everything``: every case at every size."""
+    from . import dtype_name
+
+    def builds(head_size: int, cases, arch: int = 90) -> list[dict]:
+        found = []
+        for query_dtype, cache_dtype, decode, fused in cases:
+            signature, constexprs, config = compile_targets(query_dtype, cache_dtype, head_size=head_size,
+                                                            decode=decode, fused=fused, arch=arch)
+            label = (f"{dtype_name(query_dtype)} q, {dtype_name(cache_dtype)} cache, "
+                     f"{'decode' if decode else 'prefill'}{', fused' if fused else ''}, D={head_size}")
+            found.append(dict(label=f"paged_attention {label}", kernel=paged_attention_kernel, signature=signature,
+                              constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages))
+            write_signature, write_constexprs = write_compile_targets(query_dtype, cache_dtype, head_size,
+                                                                      constexprs["HKV"], constexprs["BLOCK_SIZE"])
+            found.append(dict(label=f"reshape_and_cache {label}", kernel=reshape_and_cache_kernel,
+                              signature=write_signature, constexprs=write_constexprs, num_warps=4, num_stages=None))
+            found.append(dict(
+                label=f"merge_splits {dtype_name(query_dtype)} out, {_MAX_SPLITS} splits, D={head_size}",
+                kernel=merge_splits_kernel,
+                signature={"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+                           "out_ptr": "*" + _TRITON_TYPES[query_dtype], "num_rows": "i32",
+                           "NUM_SPLITS": "constexpr", "D": "constexpr", "DP": "constexpr"},
+                constexprs=dict(NUM_SPLITS=_MAX_SPLITS, D=head_size, DP=constexprs["DP"]), num_warps=4,
+                num_stages=None))
+        return found
+
+    few = [_COMPILE_CASES[0], _COMPILE_CASES[1], _COMPILE_CASES[5]]
+    return {f"paged_attention-D{size}": functools.partial(
+        builds, size, _COMPILE_CASES if everything or size == 256 else few) for size in (64, 128, 256)}

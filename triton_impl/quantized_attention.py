@@ -67,8 +67,7 @@ import triton
 import triton.language as tl
 
 from . import arch_of, autotune, for_device
-from .linear_attention import _dot  # a @ b in float32: 16-bit operands when LOW, else tf32x3
-from .paged_attention import _round_to_fp8_grid, _sequence_of
+from .common import dot_inputs, round_to_fp8_grid, sequence_of
 
 HEAD_SIZES = (64, 96, 128)
 BLOCK_Q, BLOCK_K = 128, 64  # the reference's quantization tiles of queries and keys (BLOCK_K its key tile too)
@@ -161,7 +160,7 @@ def _sequence(cu_ptr, s, VARLEN: tl.constexpr):
 @triton.jit
 def _tile_start(cu_ptr, num_seqs, tile, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
     """The sequence of tile ``tile`` and that tile's first row (past ``end`` for a spare tile)."""
-    s = _sequence_of(cu_ptr, num_seqs, tile, BLOCK)
+    s = sequence_of(cu_ptr, num_seqs, tile, BLOCK)
     begin, end, batch, base = _sequence(cu_ptr, s, VARLEN)
     return s, begin, end, batch, base, begin + (tile - (begin // BLOCK + s)) * BLOCK
 
@@ -266,7 +265,7 @@ def value_fp8_kernel(
         v = _load(v_ptr, head + rows, row_ok, dims, d_ok, D).to(tl.float32)
         y = tl.clamp(tl.div_rn(v, scale[None, :]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         if EMULATE_FP8:
-            y = _round_to_fp8_grid(y, 3, -6)
+            y = round_to_fp8_grid(y, 3, -6)
         tl.store(v8_ptr + offsets, y.to(v8_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -290,11 +289,35 @@ def _pv(p, v, P_DT: tl.constexpr, EMULATE: tl.constexpr):
         return tl.dot(p, v.to(tl.float32), input_precision="tf32x3")
     if P_DT == tl.float8e4nv:
         if EMULATE:
-            return tl.dot(_round_to_fp8_grid(p * FP8_MAX, 3, -6), v, input_precision="ieee")
+            return tl.dot(round_to_fp8_grid(p * FP8_MAX, 3, -6), v, input_precision="ieee")
         return tl.dot((p * FP8_MAX).to(P_DT), v)
     if EMULATE:
         return tl.dot(_round_operand(p, P_DT), _round_operand(v.to(tl.float32), P_DT), input_precision="ieee")
     return tl.dot(p.to(P_DT), v.to(P_DT))
+
+
+@triton.jit
+def _tile_geometry(cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows,
+                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Where the query tile of head ``h`` that starts at row ``q_start`` of sequence ``s`` reads:
+    its rows (and which are in the sequence), the head dimensions (and which are real), its rows'
+    offsets, its kv head's first key row, the sequence's first key and key base, its query and
+    key counts, and ``stop``, the key positions the tile sees (all, or up to the causal diagonal)."""
+    kv_head = h // (HQ // HKV)
+    k_begin, k_end, _, k_base = _sequence(cu_k_ptr, s, VARLEN)
+    nq = q_end - q_begin
+    nk = k_end - k_begin
+    rows = q_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_end
+    dims = tl.arange(0, DP)
+    d_ok = dims < D
+    q_rows = (batch * HQ + h).to(tl.int64) * nq_rows - q_base + rows
+    k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
+    stop = nk
+    if CAUSAL:
+        stop = tl.minimum(nk, tl.minimum(q_start + BLOCK_M, q_end) - q_begin + (nk - nq))
+    return rows, row_ok, dims, d_ok, q_rows, k_head, k_begin, k_base, nq, nk, stop
 
 
 @triton.jit
@@ -310,22 +333,13 @@ def attention_kernel(
     kv_head = h // (HQ // HKV)
     s, q_begin, q_end, batch, q_base, q_start = _tile_start(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M, VARLEN)
     if q_start < q_end:
-        k_begin, k_end, _, k_base = _sequence(cu_k_ptr, s, VARLEN)
-        nq = q_end - q_begin
-        nk = k_end - k_begin
-        rows = q_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_end
-        dims = tl.arange(0, DP)
-        d_ok = dims < D
-        q_rows = (batch * HQ + h).to(tl.int64) * nq_rows - q_base + rows
+        rows, row_ok, dims, d_ok, q_rows, k_head, k_begin, k_base, nq, nk, stop = _tile_geometry(
+            cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows, HQ, HKV, D, DP, BLOCK_M,
+            CAUSAL, VARLEN)
         q8 = tl.load(q8_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0)
         q_scale = tl.load(q_scale_ptr + q_rows, mask=row_ok, other=0.0)
-        k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
         bias_head = (batch * HQ + h).to(tl.int64) * nk_rows - k_base + k_begin  # key_bias is [B, HQ, Nk]
         diagonal = rows - q_begin + (nk - nq)  # the last key each row sees (bottom-right causal)
-        stop = nk
-        if CAUSAL:
-            stop = tl.minimum(nk, tl.minimum(q_start + BLOCK_M, q_end) - 1 - q_begin + (nk - nq) + 1)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DP], tl.float32)
@@ -387,6 +401,20 @@ def _dot_split(a, b, acc, LOW: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(q_ptr, do_ptr, cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """What the backward kernels over query tiles start from: the tile's geometry
+    (:func:`_tile_geometry`) and its ``q`` and ``dO``."""
+    rows, row_ok, dims, d_ok, q_rows, k_head, _, _, nq, nk, stop = _tile_geometry(
+        cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows, HQ, HKV, D, DP, BLOCK_M, CAUSAL,
+        VARLEN)
+    q = _load(q_ptr, q_rows, row_ok, dims, d_ok, D)
+    do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D)
+    return rows, row_ok, dims, d_ok, q_rows, k_head, q, do, nq, nk, stop
+
+
+@triton.jit
 def backward_preprocess_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dlse_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, num_seqs, nq_rows, nk_rows,
     qk_scale,
@@ -398,24 +426,12 @@ def backward_preprocess_kernel(
     of head ``program_id(1)``: ``rowsum(dO * O) = rowsum(P * dO V^T)``, by an online softmax in
     float32 (P never rounded for a product)."""
     h = tl.program_id(1)
-    kv_head = h // (HQ // HKV)
     s, q_begin, q_end, batch, q_base, q_start = _tile_start(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M, VARLEN)
     if q_start < q_end:
         DT = q_ptr.dtype.element_ty
-        k_begin, k_end, _, k_base = _sequence(cu_k_ptr, s, VARLEN)
-        nq = q_end - q_begin
-        nk = k_end - k_begin
-        rows = q_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_end
-        dims = tl.arange(0, DP)
-        d_ok = dims < D
-        q_rows = (batch * HQ + h).to(tl.int64) * nq_rows - q_base + rows
-        k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
-        q = _load(q_ptr, q_rows, row_ok, dims, d_ok, D)
-        do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D)
-        stop = nk
-        if CAUSAL:
-            stop = tl.minimum(nk, tl.minimum(q_start + BLOCK_M, q_end) - q_begin + (nk - nq))
+        rows, row_ok, dims, d_ok, q_rows, k_head, q, do, nq, nk, stop = _query_tile(
+            q_ptr, do_ptr, cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows, HQ, HKV, D, DP,
+            BLOCK_M, CAUSAL, VARLEN)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         pdp = tl.zeros([BLOCK_M], tl.float32)  # rowsum(P * dO V^T), P relative to m
@@ -427,13 +443,13 @@ def backward_preprocess_kernel(
             seen = col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= (rows - q_begin + (nk - nq))[:, None])
-            scores = tl.where(seen, _dot(q, tl.trans(k), LOW, DT) * qk_scale, float("-inf"))
+            scores = tl.where(seen, dot_inputs(q, tl.trans(k), LOW, DT) * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            pdp = pdp * alpha + tl.sum(p * _dot(do, tl.trans(v), LOW, DT), axis=1)
+            pdp = pdp * alpha + tl.sum(p * dot_inputs(do, tl.trans(v), LOW, DT), axis=1)
             m = m_new
         delta = pdp / tl.where(l == 0.0, 1.0, l)  # a row with no key: 0
         if HAS_DLSE:
@@ -451,26 +467,14 @@ def backward_dq_kernel(
 ):
     """``dQ`` of query tile ``program_id(0)`` of head ``program_id(1)`` (module docstring, step 5)."""
     h = tl.program_id(1)
-    kv_head = h // (HQ // HKV)
     s, q_begin, q_end, batch, q_base, q_start = _tile_start(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M, VARLEN)
     if q_start < q_end:
         DT = q_ptr.dtype.element_ty
-        k_begin, k_end, _, k_base = _sequence(cu_k_ptr, s, VARLEN)
-        nq = q_end - q_begin
-        nk = k_end - k_begin
-        rows = q_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_end
-        dims = tl.arange(0, DP)
-        d_ok = dims < D
-        q_rows = (batch * HQ + h).to(tl.int64) * nq_rows - q_base + rows
-        k_head = (batch * HKV + kv_head).to(tl.int64) * nk_rows - k_base + k_begin
-        q = _load(q_ptr, q_rows, row_ok, dims, d_ok, D)
-        do = _load(do_ptr, q_rows, row_ok, dims, d_ok, D)
+        rows, row_ok, dims, d_ok, q_rows, k_head, q, do, nq, nk, stop = _query_tile(
+            q_ptr, do_ptr, cu_k_ptr, s, h, q_begin, q_end, batch, q_base, q_start, nq_rows, nk_rows, HQ, HKV, D, DP,
+            BLOCK_M, CAUSAL, VARLEN)
         lse = _safe(tl.load(lse_ptr + q_rows, mask=row_ok, other=0.0))
         delta = tl.load(delta_ptr + q_rows, mask=row_ok, other=0.0)
-        stop = nk
-        if CAUSAL:
-            stop = tl.minimum(nk, tl.minimum(q_start + BLOCK_M, q_end) - q_begin + (nk - nq))
         dq = tl.zeros([BLOCK_M, DP], tl.float32)
         for j0 in range(0, stop, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
@@ -480,8 +484,8 @@ def backward_dq_kernel(
             seen = col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= (rows - q_begin + (nk - nq))[:, None])
-            p = tl.where(seen, tl.exp2(_dot(q, tl.trans(k), LOW, DT) * qk_scale - lse[:, None]), 0.0)
-            ds = p * (_dot(do, tl.trans(v), LOW, DT) - delta[:, None])
+            p = tl.where(seen, tl.exp2(dot_inputs(q, tl.trans(k), LOW, DT) * qk_scale - lse[:, None]), 0.0)
+            ds = p * (dot_inputs(do, tl.trans(v), LOW, DT) - delta[:, None])
             dq = _dot_split(ds, k, dq, LOW, DT)
         tl.store(dq_ptr + q_rows[:, None] * D + dims[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -528,9 +532,9 @@ def backward_dkdv_kernel(
                 seen = col_ok[:, None] & row_ok[None, :]
                 if CAUSAL:
                     seen = seen & (cols[:, None] <= (rows - q_begin + (nk - nq))[None, :])
-                pt = tl.where(seen, tl.exp2(_dot(k, tl.trans(q), LOW, DT) * qk_scale - lse[None, :]), 0.0)
+                pt = tl.where(seen, tl.exp2(dot_inputs(k, tl.trans(q), LOW, DT) * qk_scale - lse[None, :]), 0.0)
                 dv = _dot_split(pt, do, dv, LOW, DT)
-                dst = pt * (_dot(v, tl.trans(do), LOW, DT) - delta[None, :])
+                dst = pt * (dot_inputs(v, tl.trans(do), LOW, DT) - delta[None, :])
                 dk = _dot_split(dst, q, dk, LOW, DT)
         mask = col_ok[:, None] & d_ok[None, :]
         tl.store(dk_ptr + k_rows[:, None] * D + dims[None, :], (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask)
@@ -780,3 +784,27 @@ def compile_targets(dtype: torch.dtype, head_size: int, heads: int = 32, kv_head
         signature = {**inputs, **pointers, **sizes, **scalars, **dict.fromkeys(constexprs, "constexpr")}
         targets.append((name, kernel, signature, constexprs, config.num_warps, config.num_stages, True))
     return targets
+
+
+def compile_groups(everything: bool) -> dict:
+    """The compile report's builds of this family: ``{group id: function of an arch returning its
+    builds}``, a build being ``compile_report.Build``'s fields but ``family``. A group per head size,
+    each with every kernel of the forward (each P.V dtype) and the backward. By default the share
+    CI builds: float16 at 64, bfloat16 at 96, bfloat16 and float32 at 128; ``everything``: every
+    dtype at every head size."""
+    import functools
+
+    from . import dtype_name
+
+    shares = {64: (torch.float16,), 96: (torch.bfloat16,), 128: (torch.bfloat16, torch.float32)}
+
+    def builds(head_size: int, dtypes, arch: int = 90) -> list[dict]:
+        return [dict(label=f"{label} {dtype_name(dtype)} D={head_size}", kernel=kernel, signature=signature,
+                     constexprs=constexprs, num_warps=num_warps, num_stages=num_stages)
+                for dtype in dtypes
+                for label, kernel, signature, constexprs, num_warps, num_stages, _ in compile_targets(
+                    dtype, head_size, arch=arch)]
+
+    return {f"quantized_attention-D{size}": functools.partial(builds, size, tuple(_TRITON_TYPES) if everything
+                                                              else dtypes)
+            for size, dtypes in shares.items()}

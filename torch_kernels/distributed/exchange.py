@@ -36,7 +36,9 @@ its token count, so a rank with bad ids or too many tokens fails every rank, non
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -256,7 +258,7 @@ def exchange(rows: torch.Tensor, route: Route, layout: Layout, what: str) -> tor
 
 @dataclasses.dataclass(frozen=True)
 class EPHandle:
-    """What :func:`moe_combine` needs from an expert-parallel :func:`moe_dispatch`: the local
+    """What :func:`combine_across_ranks` needs from an expert-parallel :func:`dispatch_across_ranks`: the local
     sort (a single-device :class:`~torch_kernels.MoEHandle`), the route the rows took, the layout."""
 
     local: moe_ops.MoEHandle
@@ -403,7 +405,7 @@ def _agree_on_dispatch(x, topk_ids, layout: Layout, max_tokens_per_rank, dispatc
 def start_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None,
                    max_tokens_per_rank=None, dispatch_dtype=None, implementation=None,
                    agreed: bool = False) -> PendingDispatch:
-    """Issue an expert-parallel dispatch; see :func:`moe_dispatch` for the arguments.
+    """Issue an expert-parallel dispatch; see :func:`dispatch_across_ranks` for the arguments.
 
     Waits for the header (module docstring) first, except in fixed-capacity mode under
     ``torch.compile``, while a CUDA graph is captured, or with ``agreed=True``: the caller has made
@@ -455,9 +457,10 @@ def _capacity_positions(offsets: torch.Tensor, rows: int, layout: Layout, capaci
     return torch.where(expert < layout.num_experts, pos, capacity * len(layout.expert_ranks))
 
 
-def moe_dispatch(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None, max_tokens_per_rank=None,
-                 dispatch_dtype=None, implementation=None):
-    """Send each token copy to the rank holding its expert.
+def dispatch_across_ranks(x, topk_ids, num_experts, group, *, expert_ranks=None, token_ranks=None,
+                          max_tokens_per_rank=None, dispatch_dtype=None, implementation=None):
+    """Send each token copy to the rank holding its expert: what ``torch_kernels.moe_dispatch(...,
+    group=)`` runs (formerly named ``moe_dispatch`` here, a name kept as a deprecated alias).
 
     Args:
         x: ``[T, H]`` this rank's tokens (``T`` may differ across ranks; 0 on ranks without tokens).
@@ -504,7 +507,7 @@ class PendingCombine:
 
 
 def start_combine(y, handle: EPHandle, topk_weights, *, agreed: bool = False) -> PendingCombine:
-    """Issue the return of expert outputs; see :func:`moe_combine`.
+    """Issue the return of expert outputs; see :func:`combine_across_ranks`.
 
     First exchanges a header of ``y``'s width and dtype (one small round trip): a rank whose ``y``
     differs makes every rank raise the same ``ValueError``. Left out under ``torch.compile``, while
@@ -527,11 +530,11 @@ def start_combine(y, handle: EPHandle, topk_weights, *, agreed: bool = False) ->
     return PendingCombine(returned, handle, topk_weights)
 
 
-def moe_combine(y, handle: EPHandle, topk_weights) -> torch.Tensor:
+def combine_across_ranks(y, handle: EPHandle, topk_weights) -> torch.Tensor:
     """Return expert outputs to the ranks that sent the tokens and reduce them there.
 
     Args:
-        y: ``[n, N]`` outputs for the rows :func:`moe_dispatch` returned on this rank, same order.
+        y: ``[n, N]`` outputs for the rows :func:`dispatch_across_ranks` returned on this rank, same order.
         handle: that dispatch's :class:`EPHandle`.
         topk_weights: ``[T, k]`` this rank's routing weights (``[0, k]`` on a rank without tokens).
 
@@ -541,6 +544,26 @@ def moe_combine(y, handle: EPHandle, topk_weights) -> torch.Tensor:
         and ``topk_weights``.
     """
     return start_combine(y, handle, topk_weights).wait()
+
+
+# torch_kernels.moe_dispatch with a group, and moe_combine of its handle, run here
+moe_ops.register_group_path(moe_ops.GroupPath(dispatch_across_ranks, combine_across_ranks, EPHandle))
+
+
+def _deprecated_alias(function, old_name: str):
+    """``function`` under the name it had, warning that the name is deprecated."""
+    @functools.wraps(function)
+    def alias(*args, **kwargs):
+        warnings.warn(f"torch_kernels.distributed.{old_name} is deprecated: call {function.__name__} (the same "
+                      f"exchange) or torch_kernels.{old_name}(..., group=)", DeprecationWarning, stacklevel=2)
+        return function(*args, **kwargs)
+    alias.__name__ = alias.__qualname__ = old_name
+    return alias
+
+
+# the former names, which read as the single-device ops' own
+moe_dispatch = _deprecated_alias(dispatch_across_ranks, "moe_dispatch")
+moe_combine = _deprecated_alias(combine_across_ranks, "moe_combine")
 
 
 # ---- the experts on the received rows ----

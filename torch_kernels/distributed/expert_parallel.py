@@ -7,11 +7,11 @@ experts module and runs its own batch.
 
 :meth:`ExpertParallel.shard` replaces each experts module's ``gate_up_proj [E, 2I, H]`` and
 ``down_proj [E, H, I]`` by this rank's contiguous slice ``[E / R, ...]`` (rank ``r`` of ``R`` keeps
-experts ``r E / R .. (r + 1) E / R - 1``, the split :func:`~.exchange.moe_dispatch` uses) and
+experts ``r E / R .. (r + 1) E / R - 1``, the split :func:`~.exchange.dispatch_across_ranks` uses) and
 switches the model's experts implementation to ``"torch_kernels_ep"``. That forward sends each
-token copy to the rank holding its expert (:func:`~.exchange.moe_dispatch`), runs the local slice
+token copy to the rank holding its expert (:func:`~.exchange.dispatch_across_ranks`), runs the local slice
 (:func:`~.exchange.expert_forward`, i.e. ``fused_moe``) and brings the outputs back
-(:func:`~.exchange.moe_combine`); the router stays where the tokens are, so attention and routing
+(:func:`~.exchange.combine_across_ranks`); the router stays where the tokens are, so attention and routing
 are data-parallel and only the experts are split. Every MoE layer is a collective: every rank must
 run the same number of forwards and, under autograd, call backward.
 
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .exchange import FP8, expert_forward, moe_dispatch, start_combine
+from ..transformers_experts import activation_of, supports, unsupported_reasons
+from .exchange import FP8, dispatch_across_ranks, expert_forward, start_combine
 
 NAME = "torch_kernels_ep"
 SHARD_ATTRIBUTE = "expert_parallel"  # the ExpertShard an experts module carries once sharded
@@ -66,7 +67,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if not isinstance(shard, ExpertShard):
         raise RuntimeError(f"{type(module).__name__}: experts_implementation={NAME!r} runs only experts modules "
                            f"sharded by ExpertParallel.shard, and this one holds all its experts")
-    rows, offsets, handle = moe_dispatch(hidden_states, top_k_index, shard.num_experts, shard.group,
+    rows, offsets, handle = dispatch_across_ranks(hidden_states, top_k_index, shard.num_experts, shard.group,
                                          max_tokens_per_rank=shard.max_tokens_per_rank,
                                          dispatch_dtype=shard.dispatch_dtype)
     out = expert_forward(rows, offsets, module.gate_up_proj, module.down_proj, shard.activation)
@@ -95,8 +96,6 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 def _why_unsupported(module: nn.Module) -> str:
     """Why the "torch_kernels" integration does not run ``module`` (called once it said it does not)."""
-    from ..integrations.transformers import unsupported_reasons
-
     if not _uses_experts_interface(module):
         return "its class does not call transformers' experts interface (@use_experts_implementation)"
     return ", ".join(unsupported_reasons(module))
@@ -148,13 +147,11 @@ class ExpertParallel:
         group, with the same model, before building the optimizer (the old weights are freed).
 
         Raises ``ValueError`` (and changes nothing) when ``model`` has no experts module, one that
-        ``fused_moe`` does not compute (see :func:`torch_kernels.integrations.transformers.supports`),
+        ``fused_moe`` does not compute (see :func:`torch_kernels.transformers_experts.supports`),
         one already sharded, or an expert count that is not a multiple of the group size. Afterwards
         ``state_dict()`` holds this rank's slices only, and the experts must keep this implementation
         (another one would read the local slice with global expert ids).
         """
-        from ..integrations import transformers as integration
-
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         found = [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
@@ -162,7 +159,7 @@ class ExpertParallel:
             raise ValueError(f"model: {type(model).__name__} has no MoE experts module (one with stacked 3-D "
                              f"gate_up_proj / down_proj weights), so there is nothing to shard")
         unsupported = [f"{name} ({type(m).__name__}): {_why_unsupported(m)}"
-                       for name, m in found if not (_uses_experts_interface(m) and integration.supports(m))]
+                       for name, m in found if not (_uses_experts_interface(m) and supports(m))]
         if unsupported:
             raise ValueError("model: expert parallelism runs experts through fused_moe, which does not compute "
                              "these experts modules: " + "; ".join(unsupported))
@@ -189,7 +186,7 @@ class ExpertParallel:
                     # clone: a view would keep the whole stack alive
                     setattr(m, name, nn.Parameter(full.detach()[first:first + local].clone(),
                                                   requires_grad=full.requires_grad))
-            setattr(m, SHARD_ATTRIBUTE, ExpertShard(self.group, experts, first, local, integration.activation_of(m),
+            setattr(m, SHARD_ATTRIBUTE, ExpertShard(self.group, experts, first, local, activation_of(m),
                                                     self.max_tokens_per_rank, self.dispatch_dtype))
             # The experts interface reads the implementation from the module's own config, shared by
             # its model's experts; setting it there also covers models whose class cannot switch it.

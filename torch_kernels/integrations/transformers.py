@@ -21,48 +21,12 @@ from torch import nn
 
 from ..ops.moe import fused_moe
 from ..ops.quantized_attention import check_options, quantized_attention, quantizing_pays
+from ..transformers_experts import activation_of, supports, unsupported_reasons
 
 NAME = "torch_kernels"
 QUANTIZED_ATTENTION = "torch_kernels_quantized"
 __all__ = ["NAME", "QUANTIZED_ATTENTION", "register", "supports", "unsupported_reasons", "experts_forward", "activation_of",
            "quantized_attention_forward"]
-
-
-def activation_of(module: nn.Module) -> str | None:
-    """The ``fused_moe`` activation of ``module.act_fn``, or None if it has none."""
-    act = getattr(module, "act_fn", None)
-    if isinstance(act, nn.SiLU):
-        return "silu"
-    if isinstance(act, nn.GELU) and act.approximate == "none":
-        return "gelu"
-    name = type(act).__name__
-    return {"SiLUActivation": "silu", "GELUActivation": "gelu"}.get(name)
-
-
-def unsupported_reasons(module: nn.Module) -> list[str]:
-    """Why ``fused_moe`` does not compute ``module``'s experts (empty if it does)."""
-    from transformers.integrations import moe
-
-    weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
-    reasons = {
-        "no gate (an up projection only)": not getattr(module, "has_gate", True),
-        "expert biases": getattr(module, "has_bias", False),
-        "transposed weights": getattr(module, "is_transposed", False),
-        "interleaved gate and up weights": not getattr(module, "is_concatenated", True),
-        "a norm after each expert": getattr(module, "has_post_expert_norm", False),
-        "a gate function of its own (_apply_gate)":
-            getattr(type(module), "_apply_gate", moe._default_apply_gate) is not moe._default_apply_gate,
-        f"activation {type(getattr(module, 'act_fn', None)).__name__} (fused_moe computes SiLU or exact GELU)":
-            activation_of(module) is None,
-        "no 3-D gate_up_proj and down_proj tensors": not all(isinstance(w, torch.Tensor) and w.dim() == 3
-                                                             for w in weights),
-    }
-    return [reason for reason, applies in reasons.items() if applies]
-
-
-def supports(module: nn.Module) -> bool:
-    """Whether ``module``'s experts are what ``fused_moe`` computes."""
-    return not unsupported_reasons(module)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

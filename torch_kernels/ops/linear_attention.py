@@ -21,7 +21,10 @@ import torch
 
 from .. import _checks, backends
 from .._library import define, io_bytes, register_cost
+from ..families import Case
 from ..reference import linear_attention as reference
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"]
 
 CHUNK_DELTA = "chunk_gated_delta_rule"
 RECURRENT_DELTA = "fused_recurrent_gated_delta_rule"
@@ -56,16 +59,26 @@ def reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     return tuple(None if t is None else next(found) for t in leaves)
 
 
-for _op in OPS:
-    _form = "recurrent" if _op == RECURRENT_DELTA else "chunk"
+# the chunked kernels serve both chunked ops (beta=None is simple GLA); the recurrent ones the recurrent op
+for _op, _backward in ((CHUNK_DELTA, "chunk_gated_delta_rule_backward"), (CHUNK_GLA, "chunk_simple_gla_backward")):
     backends.register(_op, "reference", _reference_forward(_op))
-    backends.register(f"{_op}_backward", "reference", reference_backward)
-    for _backend, _module in (("triton", "triton_impl.linear_attention"), ("sycl", "oneapi_impl.linear_attention"),
-                              ("pallas", "torch_kernels._jax_interop")):
-        _prefix = "pallas_" if _backend == "pallas" else ""
-        backends.register(_op, _backend, f"{_module}:{_prefix}{_form}_forward")
-        backends.register(f"{_op}_backward", _backend, f"{_module}:{_prefix}{_form}_backward")
-
+    backends.register(_op, "triton", "triton_impl.linear_attention:chunk_forward")
+    backends.register(_op, "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_forward")
+    backends.register(_op, "sycl", "oneapi_impl.linear_attention:chunk_forward")
+    backends.register(_backward, "reference", reference_backward)
+    backends.register(_backward, "triton", "triton_impl.linear_attention:chunk_backward")
+    backends.register(_backward, "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_backward")
+    backends.register(_backward, "sycl", "oneapi_impl.linear_attention:chunk_backward")
+backends.register(RECURRENT_DELTA, "reference", _reference_forward(RECURRENT_DELTA))
+backends.register(RECURRENT_DELTA, "triton", "triton_impl.linear_attention:recurrent_forward")
+backends.register(RECURRENT_DELTA, "pallas", "torch_kernels.pallas.linear_attention:pallas_recurrent_forward")
+backends.register(RECURRENT_DELTA, "sycl", "oneapi_impl.linear_attention:recurrent_forward")
+backends.register("fused_recurrent_gated_delta_rule_backward", "reference", reference_backward)
+backends.register("fused_recurrent_gated_delta_rule_backward", "triton", "triton_impl.linear_attention:recurrent_backward")
+backends.register("fused_recurrent_gated_delta_rule_backward", "pallas",
+                  "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
+backends.register("fused_recurrent_gated_delta_rule_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
+del _op, _backward
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool) -> None:
     """Shapes, dtypes, devices and the scale (no data read)."""
@@ -347,3 +360,44 @@ def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_fin
     o, final_state = chunk_simple_gla_family.forward_op(q, k, v, g, _default_scale(q, scale), initial_state,
                                                         cu_seqlens, backends.implementation_arg(implementation))
     return o, (final_state if output_final_state else None)
+
+
+# ---- self-test cases ----
+
+def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48):
+    """Two packed sequences with their own initial states; grouped value heads for the delta rule."""
+    num_heads, value_heads = heads if delta else (heads[0], heads[0])
+    length = cu_seqlens[-1]
+    q = torch.randn(1, length, num_heads, k_dim, generator=gen)
+    k = torch.randn(1, length, num_heads, k_dim, generator=gen)
+    v = torch.randn(1, length, value_heads, v_dim, generator=gen)
+    g = -0.1 * torch.rand(1, length, value_heads, generator=gen)
+    h0 = torch.randn(len(cu_seqlens) - 1, value_heads, k_dim, v_dim, generator=gen)
+    if not delta:  # without the delta rule's l2 norm the state grows with the keys' size
+        k = k * k_dim ** -0.5
+    tensors = [q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), g.to(device)]
+    if delta:
+        tensors.append(torch.rand(1, length, value_heads, generator=gen).to(device))
+    return (*tensors, h0.to(device), torch.tensor(cu_seqlens, dtype=torch.int32, device=device))
+
+
+def _selftest_case(op: str) -> Case:
+    delta = op != CHUNK_GLA
+    public = globals()[op]
+
+    def run(*inputs, implementation=None):
+        *tensors, h0, cu = inputs
+        kwargs = {"use_qk_l2norm_in_kernel": True} if delta else {}
+        return public(*tensors, initial_state=h0, cu_seqlens=cu, implementation=implementation, **kwargs)[0]
+
+    def definition(*inputs):
+        *tensors, h0, cu = (t.double() if t.is_floating_point() else t for t in inputs)
+        q, k, v, g, beta = tensors if delta else (*tensors, None)
+        return reference.recurrence_naive(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, cu, use_qk_l2norm=delta)[0]
+
+    return Case(op, lambda gen, dtype, device: linear_attention_inputs(gen, dtype, device, delta), run, definition)
+
+
+def selftest_cases() -> list[Case]:
+    """The doctor's check of each op's output against the float64 step-by-step recurrence."""
+    return [_selftest_case(op) for op in OPS]

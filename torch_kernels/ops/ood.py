@@ -10,13 +10,16 @@ import torch
 
 from .. import _checks, backends
 from .._library import define, io_bytes, register_cost
+from ..families import Case
 from ..reference import ood as reference
+
+__all__ = ["mahalanobis_score", "edm_score"]
 
 OP = "mahalanobis_score"
 
 backends.register(OP, "reference", reference.mahalanobis_min)
 backends.register(OP, "triton", "triton_impl.ood:mahalanobis_min")
-backends.register(OP, "pallas", "torch_kernels._jax_interop:pallas_mahalanobis_min")
+backends.register(OP, "pallas", "torch_kernels.pallas.ood:pallas_mahalanobis_min")
 backends.register(OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
 
 
@@ -204,7 +207,7 @@ EDM_OP = "edm_score"
 
 backends.register(EDM_OP, "reference", reference.edm_score_levels)
 backends.register(EDM_OP, "triton", "triton_impl.ood:edm_score_levels")
-backends.register(EDM_OP, "pallas", "torch_kernels._jax_interop:pallas_edm_score_levels")
+backends.register(EDM_OP, "pallas", "torch_kernels.pallas.ood:pallas_edm_score_levels")
 backends.register(EDM_OP, "sycl", "oneapi_impl.ood:edm_score_levels")
 
 # the op's tensor arguments after x, in schema order, and the shape of each ("K" blocks, "L" levels,
@@ -448,3 +451,55 @@ def edm_score(
     return edm_score_op(x, mean, inv_scale, noise, level_weights, level_bias, w_in, w1, b1, w2, b2, w_out, b_out,
                         [float(s) if isinstance(s, int) and not isinstance(s, bool) else s for s in sigmas],
                         sigma_data, statistic, backends.implementation_arg(implementation))
+
+
+# ---- self-test cases ----
+
+def mahalanobis_inputs(gen, dtype, device, b=257, d=127, c=3):
+    """Features around class means, and a whitener of a well-conditioned covariance."""
+    means = torch.randn(c, d, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, c, (b,), generator=gen)
+    x = means[labels] + torch.randn(b, d, generator=gen, dtype=torch.float64)
+    factor = torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 + torch.eye(d, dtype=torch.float64)
+    whitener = torch.linalg.qr(factor).R.T.contiguous() if d > 1 else factor
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    return x.to(device, dtype), means.to(device, param), whitener.to(device, param)
+
+
+def edm_inputs(gen, dtype, device, b=9, d=13, h=20, blocks=2, levels=3):
+    """Features and a random denoiser of moderate gain, in ``EDM_TENSORS`` order after ``x``."""
+    def randn(*size, scale=1.0):
+        return torch.randn(*size, generator=gen, dtype=torch.float64) * scale
+
+    x = randn(b, d) * 2 + 0.5
+    params = [randn(d) * 2, randn(d).abs() * 0.5 + 0.25, randn(levels, d), randn(levels).abs() + 0.1,
+              randn(levels, h), randn(d, h, scale=d**-0.5), randn(blocks, h, h, scale=h**-0.5),
+              randn(blocks, h, scale=0.1), randn(blocks, h, h, scale=h**-0.5), randn(blocks, h, scale=0.1),
+              randn(h, d, scale=h**-0.5), randn(d, scale=0.1)]
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x.to(device, dtype), *(p.to(device, param) for p in params))
+
+
+EDM_SIGMA_DATA = 0.8
+
+
+def edm_sigmas(levels: int) -> list[float]:
+    """Noise levels from 0.2 up by factors of 3."""
+    return [0.2 * 3**i for i in range(levels)]
+
+
+def edm_denoise_score(x, *params, implementation=None):
+    """``edm_score`` of :func:`edm_inputs`' tensors: the ``denoise`` statistic at :func:`edm_sigmas`' levels."""
+    return edm_score(x, *params, edm_sigmas(params[2].shape[0]), EDM_SIGMA_DATA, "denoise",
+                     implementation=implementation)
+
+
+def _edm_definition(x, *params):
+    return reference.edm_score_naive(x.double(), *(p.double() for p in params), edm_sigmas(params[2].shape[0]),
+                                     EDM_SIGMA_DATA, "denoise")
+
+
+def selftest_cases() -> list[Case]:
+    """The doctor's checks of this family's ops against their float64 definitions."""
+    return [Case(OP, mahalanobis_inputs, mahalanobis_score, reference.mahalanobis_score_naive),
+            Case(EDM_OP, edm_inputs, edm_denoise_score, _edm_definition)]

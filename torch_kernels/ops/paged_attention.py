@@ -22,16 +22,22 @@ import torch
 from .. import _checks, backends
 from .._library import define, register_cost, tensor_bytes
 from .._memo import LastBatch
+from ..families import Case
 from ..reference import paged_attention as reference
+
+__all__ = ["reshape_and_cache", "ragged_paged_attention"]
 
 WRITE_OP = "reshape_and_cache"
 OP = "ragged_paged_attention"
 
-for _op in (WRITE_OP, OP):
-    backends.register(_op, "reference", getattr(reference, _op))
-    backends.register(_op, "triton", f"triton_impl.paged_attention:{_op}")
-    backends.register(_op, "pallas", f"torch_kernels._jax_interop:pallas_{_op}")
-    backends.register(_op, "sycl", f"oneapi_impl.paged_attention:{_op}")
+backends.register(WRITE_OP, "reference", reference.reshape_and_cache)
+backends.register(WRITE_OP, "triton", "triton_impl.paged_attention:reshape_and_cache")
+backends.register(WRITE_OP, "pallas", "torch_kernels.pallas.paged_attention:pallas_reshape_and_cache")
+backends.register(WRITE_OP, "sycl", "oneapi_impl.paged_attention:reshape_and_cache")
+backends.register(OP, "reference", reference.ragged_paged_attention)
+backends.register(OP, "triton", "triton_impl.paged_attention:ragged_paged_attention")
+backends.register(OP, "pallas", "torch_kernels.pallas.paged_attention:pallas_ragged_paged_attention")
+backends.register(OP, "sycl", "oneapi_impl.paged_attention:ragged_paged_attention")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
@@ -508,3 +514,49 @@ def ragged_paged_attention(
                                      None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value,
                                      slot_mapping,
                                      backends.implementation_arg(implementation))
+
+
+# ---- self-test cases ----
+
+def paged_attention_inputs(gen, dtype, device, q_lens=(1, 7, 1, 19), contexts=(40, 0, 70, 13),
+                           heads=(8, 2), head_size=64, block_size=16):
+    """A ragged batch (decodes, a fresh prompt, a chunk of a prompt) over shuffled pages."""
+    num_q_heads, num_kv_heads = heads
+    kv_lens = torch.tensor(q_lens) + torch.tensor(contexts)
+    pages = -(-kv_lens // block_size)
+    num_blocks = int(pages.sum()) + 3
+    block_table = torch.zeros(len(q_lens), int(pages.max()), dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen)
+    start = 0
+    for s, n in enumerate(pages.tolist()):
+        block_table[s, :n] = ids[start:start + n]
+        start += n
+    cu_q_lens = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_q_lens[1:] = torch.tensor(q_lens).cumsum(0)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    query = torch.randn(int(cu_q_lens[-1]), num_q_heads, head_size, generator=gen).to(device, dtype)
+    return (query, key_cache, value_cache, cu_q_lens.to(device), kv_lens.to(device, torch.int32),
+            block_table.to(device), head_size**-0.5)
+
+
+def reshape_and_cache_inputs(gen, dtype, device, tokens=23, heads=2, head_size=64, block_size=16, num_blocks=5):
+    """New keys and values, random caches to write them into, distinct slots (one of them -1, padding)."""
+    key, value = (torch.randn(tokens, heads, head_size, generator=gen) for _ in range(2))
+    cache_shape = (num_blocks, block_size, heads, head_size)
+    key_cache, value_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[tokens // 2] = -1
+    return (key.to(device, dtype), value.to(device, dtype), key_cache.to(device, dtype), value_cache.to(device, dtype),
+            slots.to(device))
+
+
+def _attention_definition(*inputs):
+    return reference.ragged_paged_attention_naive(*inputs).float()
+
+
+def selftest_cases() -> list[Case]:
+    """The doctor's check of the attention against the readable reference (the cache write is
+    checked by the tests)."""
+    return [Case(OP, paged_attention_inputs, ragged_paged_attention, _attention_definition)]

@@ -33,16 +33,19 @@ import torch.nn.functional as F
 
 from .. import _checks, backends
 from .._library import define, io_bytes, register_cost
+from ..families import Case
 from ..reference import quantized_attention as reference
+
+__all__ = ["quantized_attention", "quantized_sdpa"]
 
 OP = "quantized_attention"
 BACKWARD_OP = "quantized_attention_backward"
 backends.register(OP, "reference", reference.quantized_attention)
-backends.register(OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention")
+backends.register(OP, "pallas", "torch_kernels.pallas.quantized_attention:pallas_quantized_attention")
 backends.register(OP, "triton", "triton_impl.quantized_attention:quantized_attention")
 backends.register(OP, "sycl", "oneapi_impl.quantized_attention:quantized_attention")
 backends.register(BACKWARD_OP, "reference", reference.attention_backward)
-backends.register(BACKWARD_OP, "pallas", "torch_kernels._jax_interop:pallas_quantized_attention_backward")
+backends.register(BACKWARD_OP, "pallas", "torch_kernels.pallas.quantized_attention:pallas_quantized_attention_backward")
 backends.register(BACKWARD_OP, "triton", "triton_impl.quantized_attention:quantized_attention_backward")
 backends.register(BACKWARD_OP, "sycl", "oneapi_impl.quantized_attention:quantized_attention_backward")
 
@@ -448,3 +451,30 @@ def quantized_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                  names=("query", "key", "value"))
     return quantized_attention_op(query, key, value, float(sm_scale), is_causal, granularity, pv_dtype, smooth_k,
                                   None, None, implementation, smooth_q)[0]
+
+
+# ---- self-test cases ----
+
+def quantized_attention_inputs(gen, dtype, device, b=2, heads=(4, 2), nq=67, nk=131, head_size=64):
+    """GQA, more keys than queries (bottom-right causal), keys with per-channel offsets."""
+    q = torch.randn(b, heads[0], nq, head_size, generator=gen)
+    k = torch.randn(b, heads[1], nk, head_size, generator=gen) + 5 * torch.randn(1, heads[1], 1, head_size, generator=gen)
+    v = torch.randn(b, heads[1], nk, head_size, generator=gen)
+    return tuple(t.to(device, dtype) for t in (q, k, v))
+
+
+def _selftest_run(q, k, v, implementation=None):
+    # P.V in the inputs' precision: the check is then of the int8 scores and the softmax alone
+    return quantized_attention(q, k, v, causal=True, pv_dtype="none", implementation=implementation)
+
+
+def _selftest_definition(q, k, v):
+    """The same int8 scores, one float64 softmax over the whole row."""
+    sm_scale = q.shape[-1] ** -0.5
+    smoothing = reference.smoothing(q, k, sm_scale, True, True)
+    return reference.quantized_attention_naive(q, k, v, *smoothing, sm_scale, True, "per_block", "none")[0]
+
+
+def selftest_cases() -> list[Case]:
+    """The doctor's check of the int8 attention against the same scores with a float64 softmax."""
+    return [Case(OP, quantized_attention_inputs, _selftest_run, _selftest_definition)]

@@ -1,0 +1,50 @@
+"""What the moe family's op modules share: dtypes, argument tests, one-sync range checks, the
+backward's backend order and the per-expert byte count of the cost formulas."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ... import _checks, backends
+from ..._library import tensor_bytes
+
+FLOAT_DTYPES = _checks.FLOAT_DTYPES  # backends decline float64; the reference takes it (gradcheck)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def device_type(t: torch.Tensor) -> str:
+    """The device key ``backends.dispatch`` picks a backend by."""
+    return "cpu" if t.is_cpu else t.device.type
+
+
+def is_int(x) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A real number that is not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def raise_first(tests) -> None:
+    """``tests``: ``(flag tensor, message function)`` pairs, read with one host sync."""
+    if not tests:
+        return
+    flags = torch.stack([flag for flag, _ in tests]).tolist()
+    for failed, (_, message) in zip(flags, tests):
+        if failed:
+            raise ValueError(message())
+
+
+def backward_order(t: torch.Tensor, implementation) -> str | None:
+    """The backends a backward should try: those chosen at forward time (as linear attention does)."""
+    order, explicit = backends.resolve(device_type(t), implementation)
+    return ",".join(order) if explicit else None
+
+
+def per_expert_bytes(t, used: int) -> int:
+    """The bytes of ``used`` of the experts of ``t`` (``[E, ...]``, or None)."""
+    return 0 if t is None else tensor_bytes(t) // t.shape[0] * used
