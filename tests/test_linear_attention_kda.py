@@ -1,0 +1,204 @@
+"""Kimi Delta Attention (chunk_kda, fused_recurrent_kda): the delta rule with a log decay per key
+channel, through the public API on every backend that registers it, against a step-by-step
+recurrence written here from the definition (float64) and autograd through it; against
+transformers' own torch versions of Kimi Linear's KDA; a per-head decay broadcast over K equals
+Gated DeltaNet; strong per-channel decays stay exact in float32; the op contract (opcheck,
+torch.compile forward and backward, FLOP counts).
+
+Errors are relative RMSE, held to the bounds of ``test_linear_attention`` (a tenth of them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_kernels
+from harness import assert_compiled_matches_eager, backend_params, counted_flops, require_backend, run_opcheck
+import test_linear_attention as la_tests
+from test_linear_attention import assert_within, relative_rmse, with_grads
+
+CHUNK, RECURRENT = "chunk_kda", "fused_recurrent_kda"
+OPS = (CHUNK, RECURRENT)
+
+
+def naive_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, l2norm=False):
+    """The definition, per sequence and step: ``S = diag(exp(g_t)) S``, ``S += k_t (beta_t (v_t -
+    S^T k_t))^T``, ``o_t = S^T (scale q_t)``; float64. (o, final states [N, H, K, V])."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if l2norm:
+        q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    batch, length, heads, k_dim = q.shape
+    bounds = [0, length] if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    rows = range(batch) if cu_seqlens is None else [0] * (len(bounds) - 1)
+    spans = [(0, length)] * batch if cu_seqlens is None else list(zip(bounds[:-1], bounds[1:]))
+    out = torch.zeros_like(v)
+    finals = []
+    for n, (b, (start, end)) in enumerate(zip(rows, spans)):
+        state = torch.zeros(heads, k_dim, v.shape[-1], dtype=torch.float64) if initial_state is None \
+            else initial_state[n].double()
+        for t in range(start, end):
+            state = state * g[b, t].exp()[:, :, None]
+            error = v[b, t] - torch.einsum("hkv,hk->hv", state, k[b, t])
+            state = state + k[b, t][:, :, None] * (beta[b, t][:, None] * error)[:, None, :]
+            out[b, t] = torch.einsum("hkv,hk->hv", state, scale * q[b, t])
+        finals.append(state)
+    return out, torch.stack(finals)
+
+
+def make_inputs(*, batch=1, length=75, heads=2, k_dim=32, v_dim=32, decay="weak", initial_state=True, l2norm=True,
+                cu_seqlens=None, seed=0, dtype=torch.float32):
+    """Keyword arguments of the KDA ops. ``decay``: "weak" (-0.05..0), "strong" (a quarter of
+    the channels -5..-20 per step, the rest weak), or a tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, k_dim, generator=gen)
+    k = torch.randn(batch, length, heads, k_dim, generator=gen)
+    if not l2norm:
+        k = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(batch, length, heads, v_dim, generator=gen)
+    g = -0.05 * torch.rand(batch, length, heads, k_dim, generator=gen)
+    if decay == "strong":
+        strong = torch.rand(heads, k_dim, generator=gen) < 0.25
+        g = torch.where(strong, -5.0 - 15.0 * torch.rand(g.shape, generator=gen), g)
+    num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
+    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g, beta=torch.rand(batch, length, heads, generator=gen),
+                scale=k_dim ** -0.5,
+                initial_state=torch.randn(num_states, heads, k_dim, v_dim, generator=gen) if initial_state else None,
+                cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32),
+                use_qk_l2norm_in_kernel=l2norm)
+
+
+def run_op(op, x, **extra):
+    return getattr(torch_kernels, op)(**x, output_final_state=True, **extra)
+
+
+def definition(x):
+    return naive_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"],
+                     x["use_qk_l2norm_in_kernel"])
+
+
+def errors_against_definition(op, x, backend):
+    """Relative RMSE of o, the final state and every gradient: the op on ``backend`` against
+    autograd through ``naive_kda``."""
+    return la_tests.errors_against_definition(op, x, backend, truth=definition)
+
+
+# Odd lengths around the 64-step chunk, K = 20 / V = 36, packed sequences (an empty one included),
+# with and without the in-op l2 norm and the initial state
+CASES = {
+    "T1-B2": dict(length=1, batch=2),
+    "T75-packed": dict(length=75, heads=1, cu_seqlens=[0, 11, 11, 75]),
+    "T130-K20-V36-no-state": dict(length=130, heads=1, k_dim=20, v_dim=36, initial_state=False, l2norm=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK))
+def test_matches_definition(backend, op, case):
+    require_backend(backend)
+    assert_within(errors_against_definition(op, make_inputs(**CASES[case]), backend))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params(CHUNK))
+def test_strong_per_channel_decay_stays_exact(backend, op):
+    """A quarter of the channels decay by -5 to -20 per step (exp(-1280) over a chunk), one by
+    -inf at a step (a reset of that channel): outputs, final states and every gradient equal the
+    float64 recurrence to float32 precision, with no inf or NaN anywhere."""
+    require_backend(backend)
+    x = make_inputs(length=150, heads=2, k_dim=16, v_dim=16, decay="strong", l2norm=False, seed=8)
+    x["g"][0, 70, 1, 3] = float("-inf")
+    x["beta"] = torch.ones_like(x["beta"])
+    errors = errors_against_definition(op, x, backend)
+    bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"relative RMSE above 1e-5: {bad}"
+
+
+@pytest.mark.parametrize("backend", backend_params(CHUNK))
+def test_per_head_decay_broadcast_over_channels_is_gated_deltanet(backend):
+    """KDA with the same decay on every channel is Gated DeltaNet (its special case)."""
+    require_backend(backend)
+    x = make_inputs(length=70, heads=2, seed=2)
+    scalar_g = x["g"][..., 0]
+    o, ht = run_op(CHUNK, {**x, "g": scalar_g[..., None].expand_as(x["g"])}, implementation=backend)
+    o_gdn, ht_gdn = run_op("chunk_gated_delta_rule", {**x, "g": scalar_g})
+    torch.testing.assert_close(o, o_gdn, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht, ht_gdn, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", backend_params(CHUNK))
+def test_decode_step_continues_the_chunked_prefill(backend):
+    """A prompt through chunk_kda, then one token through fused_recurrent_kda from its final
+    state: the token's output equals the chunked form's over prompt + token."""
+    require_backend(backend)
+    x = make_inputs(length=70, heads=1, seed=6)
+    prompt = {**x, **{n: x[n][:, :69] for n in ("q", "k", "v", "g", "beta")}}
+    token = {**x, **{n: x[n][:, 69:] for n in ("q", "k", "v", "g", "beta")}}
+    _, state = run_op(CHUNK, prompt, implementation=backend)
+    o_step, ht_step = run_op(RECURRENT, {**token, "initial_state": state}, implementation=backend)
+    o_all, ht_all = run_op(CHUNK, x, implementation=backend)
+    torch.testing.assert_close(o_step, o_all[:, 69:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht_step, ht_all, rtol=1e-5, atol=1e-5)
+
+
+def _transformers_kda():
+    modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear",
+                                   reason="transformers without Kimi Linear: no peer to compare with")
+    return modeling.chunk_kimi_delta_attention, modeling.recurrent_kimi_delta_attention
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_matches_transformers_kimi_linear(op):
+    """transformers' torch versions of Kimi Linear's chunked and recurrent KDA (its fallback when
+    fla is absent; default scale, l2 norm in the op, no packed sequences) give our numbers."""
+    chunked, recurrent = _transformers_kda()
+    x = make_inputs(batch=2, length=75, heads=2, seed=3)
+    peer = chunked if op == CHUNK else recurrent
+    want_o, want_ht = peer(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, ht = getattr(torch_kernels, op)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert relative_rmse(o, want_o) <= 1e-5 and relative_rmse(ht, want_ht) <= 1e-5
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op):
+    x, _ = with_grads(make_inputs(length=20, heads=2, k_dim=8, v_dim=8, cu_seqlens=[0, 7, 20]))
+    run_opcheck(getattr(torch.ops.torch_kernels, op).default,
+                (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"], True,
+                 "reference"))
+
+
+def test_compile_fullgraph_kda_with_its_gates():
+    """The op between Kimi Linear's gate activations (``-exp(A_log) softplus(...)`` per channel,
+    a sigmoid beta) compiles without graph breaks and gives eager's output and gradients."""
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, 2))[:, None])
+
+        def forward(self, x):
+            q, k, v, gate, beta = x[..., :16], x[..., 16:32], x[..., 32:48], x[..., 48:64], x[..., 64]
+            g = -self.a_log.exp() * F.softplus(gate)
+            return torch_kernels.chunk_kda(q, k, v, g, beta.sigmoid(), use_qk_l2norm_in_kernel=True)[0]
+
+    torch.manual_seed(0)
+    assert_compiled_matches_eager(Gated(), torch.randn(2, 70, 2, 65))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_flop_counter_counts_the_op(op):
+    x = make_inputs(batch=2, length=10, heads=3, k_dim=8, v_dim=4)
+    assert counted_flops(lambda: run_op(op, x)) == 2 * 10 * 3 * 6 * 8 * 4
+
+
+def test_default_scale_and_optional_final_state():
+    x = make_inputs(length=12)
+    o, ht = torch_kernels.chunk_kda(**{**x, "scale": None})
+    assert ht is None
+    torch.testing.assert_close(o, run_op(CHUNK, {**x, "scale": 32 ** -0.5})[0])
