@@ -19,7 +19,7 @@ KDA_OPS = ("chunk_kda", "fused_recurrent_kda")
 LINEAR_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla", *KDA_OPS)
 DELTA_OPS = LINEAR_OPS[:2]  # grouped value heads
 WITH_BETA = DELTA_OPS + KDA_OPS
-TRITON_OPS = LINEAR_OPS[:3]  # KDA runs on the reference only so far
+TRITON_OPS = (*LINEAR_OPS[:3], "fused_recurrent_kda")  # chunk_kda runs on the reference only so far
 ONE_HEAD_COUNT = ("chunk_simple_gla", *KDA_OPS)
 
 
@@ -96,7 +96,7 @@ BAD_INPUTS = {"linear_attention": [Row(f"{op}: {c}", a, e, _linear(op, ch), op)
 # ---- device cases ----
 
 def linear_attention_run(op: str):
-    delta = op != "chunk_simple_gla"
+    delta = op != "chunk_simple_gla"  # KDA's two forms have the delta rule too
     public = getattr(torch_kernels, op)
 
     def run(*inputs, implementation=None):
@@ -110,7 +110,7 @@ def linear_attention_run(op: str):
 
 DEVICE_CASES = [
     *(DeviceCase(op, op, sized(family_ops.linear_attention_inputs, delta=op != "chunk_simple_gla",
-                                   **interpreter_sizes(cu_seqlens=(0, 9, 24))),
+                                   per_channel=op in KDA_OPS, **interpreter_sizes(cu_seqlens=(0, 9, 24))),
                  linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)))
       for op in TRITON_OPS),
     *(DeviceCase(f"{op} 5k tokens, K = V = 128", op,
