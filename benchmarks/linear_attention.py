@@ -13,8 +13,8 @@ length from which Gated DeltaNet is faster than attention, and ours vs the naive
 Then Kimi Delta Attention at Kimi Linear's sizes (H = 32, K = V = 128): ``chunk_kda`` against
 transformers' torch version of Kimi Linear's chunked KDA (its fallback without fla) and fla's
 ``chunk_kda`` where it imports (CUDA), forward and forward+backward, with the time ratios from one
-run; and each one's error against the float64 step-by-step recurrence under weak and strong
-(-5 to -20 per step on a quarter of the channels) per-channel decays.
+run; and each one's error against the float64 step-by-step recurrence under weak, strong (-5 to
+-20 per step on a quarter of the channels) and resetting (-inf) per-channel decays.
 Writes ``linear_attention{-quick,-gpu,}.{md,json,png}`` to ``--out`` (default ``benchmarks/results``).
 """
 
@@ -90,8 +90,8 @@ def fla_implementations():
 
 def kda_inputs(length: int, device, dtype, heads=KDA_HEADS, decay="weak", seed=0):
     """KDA inputs ``[1, T, H, 128]`` as Kimi Linear feeds them (the op l2-normalizes q and k), with a
-    per-channel decay ``g [1, T, H, 128]``: "weak" (-0.05..0) or "strong" (a quarter of the channels
-    -5..-20 per step)."""
+    per-channel decay ``g [1, T, H, 128]``: "weak" (-0.05..0), "strong" (a quarter of the channels
+    -5..-20 per step) or "reset" (weak, and -inf on a quarter of the channels at one step)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (1, length, heads, HEAD_SIZE)
     q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
@@ -99,6 +99,8 @@ def kda_inputs(length: int, device, dtype, heads=KDA_HEADS, decay="weak", seed=0
     if decay == "strong":
         strong = torch.rand(heads, HEAD_SIZE, generator=gen) < 0.25
         g = torch.where(strong, -5.0 - 15.0 * torch.rand(shape, generator=gen), g)
+    if decay == "reset":
+        g[0, length // 3] = torch.where(torch.rand(heads, HEAD_SIZE, generator=gen) < 0.25, float("-inf"), 0.0)
     beta = torch.rand(1, length, heads, generator=gen)
     return {n: t.to(device, dtype if n in "qkv" else torch.float32) for n, t in
             dict(q=q, k=k, v=v, g=g, beta=beta).items()}
@@ -149,7 +151,7 @@ def kda_section(lengths, device, dtype, budget, sync):
         table.append([r["T"], r["impl"], f"{r['fwd_s'] * 1e3:,.1f}", f"{r['fwd_bwd_s'] * 1e3:,.1f}",
                       f"{r['fwd_s'] / ours['fwd_s']:.2f}x", f"{r['fwd_bwd_s'] / ours['fwd_bwd_s']:.2f}x"])
     errors = {}
-    for decay in ("weak", "strong"):
+    for decay in ("weak", "strong", "reset"):
         x = kda_inputs(256, device, dtype, heads=2, decay=decay, seed=1)
         want, _ = recurrence_naive(*(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), HEAD_SIZE ** -0.5,
                                    use_qk_l2norm=True)
@@ -163,7 +165,8 @@ def kda_section(lengths, device, dtype, budget, sync):
            "over ours (above 1x: ours is faster).\n",
            markdown_table(["T", "impl", "fwd ms", "fwd+bwd ms", "time / ours (fwd)", "time / ours (fwd+bwd)"], table),
            "\nRelative RMSE of the output against the float64 step-by-step recurrence (T = 256, H = 2; strong: "
-           "a quarter of the channels -5 to -20 per step):\n",
+           "a quarter of the channels -5 to -20 per step; reset: -inf on a quarter of the channels at one step, "
+           "which zeroes those rows of the state):\n",
            markdown_table(["impl, decay", "relative RMSE"], [[n, f"{e:.1e}"] for n, e in errors.items()])]
     if notes:
         out.append("\n" + "; ".join(notes) + ".")
