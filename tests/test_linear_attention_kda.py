@@ -10,13 +10,13 @@ Errors are relative RMSE, held to the bounds of ``test_linear_attention`` (a ten
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import torch_kernels
-from harness import assert_compiled_matches_eager, backend_params, counted_flops, require_backend, run_opcheck
+from harness import backend_params, compiled_fullgraph, counted_flops, require_backend, run_opcheck
 from torch_kernels import backends
 import test_linear_attention as la_tests
 from test_linear_attention import assert_within, relative_rmse, with_grads
@@ -89,17 +89,20 @@ def errors_against_definition(op, x, backend):
     return la_tests.errors_against_definition(op, x, backend, truth=definition)
 
 
-# Odd lengths around the 64-step chunk, K = 20 / V = 36, batch rows and packed sequences (an empty
-# one and a single step included), with and without the in-op l2 norm and the initial state
+# Odd lengths around the 64-step chunk, K = 20 / V = 36, packed sequences (an empty one and a
+# single step included) and batch rows, with and without the in-op l2 norm and the initial state
 CASES = {
-    "T75-packed": dict(length=75, heads=1, cu_seqlens=[0, 11, 11, 12, 75]),
-    "T100-B2-K20-V36-no-state": dict(length=100, batch=2, heads=1, k_dim=20, v_dim=36, initial_state=False,
-                                     l2norm=False),
+    "T75-packed-K20-V36": dict(length=75, heads=1, k_dim=20, v_dim=36, cu_seqlens=[0, 11, 11, 12, 75]),
+    "T100-B2-no-state": dict(length=100, batch=2, heads=1, k_dim=16, v_dim=16, initial_state=False, l2norm=False),
 }
+# the interpreted step kernels (pallas, sycl) take batch rows as packed sequences, as their Gated
+# DeltaNet tests cover: the packed case is theirs
+STEP_KERNEL_CASES = {"pallas": ("T75-packed-K20-V36",), "sycl": ("T75-packed-K20-V36",)}
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend, op", OP_BACKENDS)
+@pytest.mark.parametrize("backend, op, case", [pytest.param(*p.values, case, id=f"{p.id}-{case}")
+                                               for p in OP_BACKENDS for case in CASES
+                                               if case in STEP_KERNEL_CASES.get(p.values[0], CASES)])
 def test_matches_definition(backend, op, case):
     require_backend(backend)
     assert_within(errors_against_definition(op, make_inputs(**CASES[case]), backend))
@@ -121,12 +124,12 @@ def test_strong_per_channel_decay_stays_exact(backend, op):
     assert not bad, f"relative RMSE above 1e-5: {bad}"
 
 
-@pytest.mark.parametrize("backend, op", [p for p in OP_BACKENDS if p.values[0] != "pallas"])
+@pytest.mark.parametrize("backend, op", [p for p in OP_BACKENDS if p.values[0] in ("reference", "triton")])
 def test_per_head_decay_broadcast_over_channels_is_gated_deltanet(backend, op):
     """KDA with the same decay on every channel is Gated DeltaNet (its special case), forward and
-    backward (dg summed over the channels is Gated DeltaNet's dg): the code the two share with a
-    per-channel flag (the reference's chunks, Triton's and SYCL's step kernels). Pallas's scan
-    differs only in how one line broadcasts the decay, which ``test_matches_definition`` covers."""
+    backward (dg summed over the channels is Gated DeltaNet's dg), on the code the two share:
+    the reference's chunks, Triton's step kernels. (SYCL's and pallas's step forms differ from
+    their Gated DeltaNet ones in one line each; ``test_matches_definition`` covers them.)"""
     require_backend(backend)
     x = make_inputs(length=20, heads=2, k_dim=16, v_dim=16, seed=2)
     scalar_g = x["g"][..., 0]
@@ -171,7 +174,8 @@ def test_matches_transformers_kimi_linear(op):
     fla is absent; default scale, l2 norm in the op, no packed sequences) give our numbers."""
     chunked, recurrent = _transformers_kda()
     x = make_inputs(batch=2, length=66, heads=1, seed=3)
-    peer = chunked if op == CHUNK else recurrent
+    # 16-step chunks in the peer's chunked form: its intra-chunk inverse is a Python loop per row
+    peer = functools.partial(chunked, chunk_size=16) if op == CHUNK else recurrent
     want_o, want_ht = peer(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"],
                            output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, ht = getattr(torch_kernels, op)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
@@ -187,22 +191,26 @@ def test_opcheck(op):
                  "reference"))
 
 
-def test_compile_fullgraph_kda_with_its_gates():
-    """The op between Kimi Linear's gate activations (``-exp(A_log) softplus(...)`` per channel,
-    a sigmoid beta) compiles without graph breaks and gives eager's output and gradients."""
+def test_compile_fullgraph():
+    """chunk_kda compiles with fullgraph=True (no graph break) and gives eager's output and every
+    input's gradient (the op's fake and autograd formula under the compiler)."""
+    x = make_inputs(length=70, heads=2, k_dim=16, v_dim=16, seed=5)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
 
-    class Gated(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, 2))[:, None])
+    def loss(*tensors):
+        o, ht = torch_kernels.chunk_kda(*tensors[:5], initial_state=tensors[5], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+        return o.square().sum() + ht.sum()
 
-        def forward(self, x):
-            q, k, v, gate, beta = x[..., :16], x[..., 16:32], x[..., 32:48], x[..., 48:64], x[..., 64]
-            g = -self.a_log.exp() * F.softplus(gate)
-            return torch_kernels.chunk_kda(q, k, v, g, beta.sigmoid(), use_qk_l2norm_in_kernel=True)[0]
-
-    torch.manual_seed(0)
-    assert_compiled_matches_eager(Gated(), torch.randn(2, 70, 2, 65))
+    results = []
+    for fn in (loss, compiled_fullgraph(loss)):
+        leaves = [x[n].detach().clone().requires_grad_() for n in names]
+        value = fn(*leaves)
+        results.append((value, torch.autograd.grad(value, leaves)))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(names, compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("op", OPS)
