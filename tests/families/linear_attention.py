@@ -110,7 +110,8 @@ def linear_attention_run(op: str):
 
 DEVICE_CASES = [
     *(DeviceCase(op, op, sized(family_ops.linear_attention_inputs, delta=op != "chunk_simple_gla",
-                                   per_channel=op in KDA_OPS, **interpreter_sizes(cu_seqlens=(0, 9, 24))),
+                                   per_channel=op in KDA_OPS, **interpreter_sizes(cu_seqlens=(0, 9, 24)),
+                                   **(interpreter_sizes(heads=(1, 1), k_dim=16, v_dim=16) if op in KDA_OPS else {})),
                  linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)))
       for op in TRITON_OPS),
     *(DeviceCase(f"{op} 5k tokens, K = V = 128", op,
