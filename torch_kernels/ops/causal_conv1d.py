@@ -47,6 +47,8 @@ backends.register(UPDATE_OP, "sycl", "oneapi_impl.causal_conv1d:causal_conv1d_up
 
 def check_activation(activation) -> bool:
     """True for SiLU (``"silu"``/``"swish"``), False for none."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation: expected None or a string ('silu', 'swish'), got {type(activation).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
     return activation is not None
@@ -303,6 +305,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     """
     _require_tensors(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states,
                      final_states_out=final_states_out)
+    check_activation(activation)  # before the dispatcher, which refuses a non-string with its own error
     wants_final = bool(return_final_states) or final_states_out is not None
     if wants_final and seq_idx is not None:
         raise ValueError("return_final_states: expected False with seq_idx (packed sequences have no one final state)")
@@ -348,6 +351,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     """
     _require_tensors(x=x, conv_state=conv_state, weight=weight, bias=bias, cache_seqlens=cache_seqlens,
                      conv_state_indices=conv_state_indices)
+    check_activation(activation)
     return causal_conv1d_update_op(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
                                    backends.implementation_arg(implementation))
 

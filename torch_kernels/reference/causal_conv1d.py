@@ -7,7 +7,8 @@ Per channel ``c`` with filter ``w = weight[c]`` of width ``W``, over ``xx = cat(
 
 With ``seq_idx`` the input ``x[t - j]`` enters ``out[t]`` only where ``seq_idx[t - j] ==
 seq_idx[t]``: packed sequences restart the convolution. Arithmetic in float32 (float64 for
-float64 inputs); out in x's dtype. The loop runs over the ``W`` taps, not over time.
+float64 inputs); out in x's dtype. Without seq_idx this is torch's grouped ``conv1d`` (one group
+per channel) of the padded input; with it, a loop over the ``W`` taps, not over time.
 """
 
 from __future__ import annotations
@@ -44,14 +45,13 @@ def causal_conv1d(x, weight, bias, seq_idx, initial_states, silu: bool) -> torch
     wide = compute_dtype(x.dtype)
     xx = padded_input(x, width, initial_states)
     w = weight.to(wide)
-    out = torch.zeros(x.shape, dtype=wide, device=x.device)
-    if bias is not None:
-        out += bias.to(wide)[:, None]
-    for k in range(width):
-        term = w[:, k, None] * xx[..., k:k + length]
-        if seq_idx is not None:  # tap k reads x[t - (W - 1 - k)]
-            term = term * same_sequence(seq_idx, width - 1 - k)[:, None, :]
-        out += term
+    b = None if bias is None else bias.to(wide)
+    if seq_idx is None:  # a grouped convolution, one group per channel: torch's own kernel
+        out = F.conv1d(xx, w[:, None, :], b, groups=x.shape[1])
+    else:
+        out = torch.zeros(x.shape, dtype=wide, device=x.device) if b is None else b[:, None].expand(x.shape).clone()
+        for k in range(width):  # tap k reads x[t - (W - 1 - k)], zero across a sequence boundary
+            out += w[:, k, None] * xx[..., k:k + length] * same_sequence(seq_idx, width - 1 - k)[:, None, :]
     if silu:
         out = F.silu(out)
     return out.to(x.dtype)
@@ -84,6 +84,10 @@ def causal_conv1d_update(x, conv_state, weight, bias, silu: bool, cache_seqlens,
     """
     batch, dim, length = x.shape
     width, state_len = weight.shape[1], conv_state.shape[-1]
+    if cache_seqlens is None and conv_state_indices is None:  # every row, shifted: no gathers
+        out = causal_conv1d(x, weight, bias, None, conv_state[..., state_len - width + 1:], silu)
+        conv_state.copy_(torch.cat([conv_state, x], dim=-1)[..., -state_len:])
+        return out
     lines = state_lines(conv_state, batch, conv_state_indices)
     live = (lines >= 0).nonzero().flatten()
     out = torch.zeros_like(x)
