@@ -4,7 +4,8 @@
 
 At the channel counts of real models, width 4: Mamba-2 2.7B's convolved xBC (5120 + 2 * 128 =
 5376 channels) and Qwen3-Next-80B's Gated DeltaNet q, k, v (2 * 16 * 128 + 32 * 128 = 8192).
-Timed in one run on the same inputs: ``causal_conv1d_fn`` with SiLU (the backend a user gets
+Timed in one run on the same inputs (x channel-last, a transposed ``[B, T, D]`` projection, as the
+models pass it): ``causal_conv1d_fn`` with SiLU (the backend a user gets
 there: triton on CUDA, the reference on CPU) and what transformers runs without the
 causal-conv1d package, ``F.conv1d(x, weight[:, None], bias, padding=W - 1, groups=D)[..., :T]``
 then SiLU; forward, and forward+backward with x, weight and bias requiring grad. Decode: one step
@@ -83,7 +84,8 @@ def relative_error(out, truth) -> float:
 
 def measure_prefill(model: str, dim: int, batch: int, length: int, device, dtype, budget: float) -> list[dict]:
     gen = torch.Generator().manual_seed(length + dim)
-    x = torch.randn(batch, dim, length, generator=gen).to(device, dtype)
+    # as the models pass it: their [B, T, D] projection transposed (channel-last), not a copy
+    x = torch.randn(batch, length, dim, generator=gen).to(device, dtype).transpose(1, 2)
     weight = (torch.randn(dim, WIDTH, generator=gen) * WIDTH ** -0.5).to(device, dtype)
     bias = torch.randn(dim, generator=gen).to(device, dtype)
     truth = fallback_fn(x.float(), weight.float(), bias.float())
@@ -94,7 +96,7 @@ def measure_prefill(model: str, dim: int, batch: int, length: int, device, dtype
         with torch.no_grad():
             out = fn(x, weight, bias)
             forward_s = seconds_per_call(lambda: fn(x, weight, bias), budget, sync)
-        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]  # clone keeps x's layout
         grad = torch.randn_like(out)
         backward_s = seconds_per_call(lambda: fn(*leaves).backward(grad), budget, sync)
         rows.append({"kind": "prefill", "model": model, "dim": dim, "batch": batch, "length": length, "path": name,

@@ -80,10 +80,14 @@ def naive_update(x, conv_state, weight, bias=None, silu=False, cache_seqlens=Non
 
 # ---- inputs ----
 
-def make_fn_inputs(batch=2, dim=20, length=37, width=4, bias=True, h0=False, seq=None, dtype=torch.float32, seed=0):
-    """Keyword arguments of causal_conv1d_fn; ``seq``: each batch entry's sequence lengths."""
+def make_fn_inputs(batch=2, dim=20, length=37, width=4, bias=True, h0=False, seq=None, channel_last=False,
+                   dtype=torch.float32, seed=0):
+    """Keyword arguments of causal_conv1d_fn; ``seq``: each batch entry's sequence lengths;
+    ``channel_last``: x a transposed ``[B, T, D]`` tensor, as models pass their projection."""
     gen = torch.Generator().manual_seed(seed)
-    kw = dict(x=torch.randn(batch, dim, length, generator=gen).to(dtype),
+    x = torch.randn(batch, length, dim, generator=gen).transpose(1, 2) if channel_last else \
+        torch.randn(batch, dim, length, generator=gen)
+    kw = dict(x=x.to(dtype),
               weight=torch.randn(dim, width, generator=gen) * width ** -0.5,
               bias=torch.randn(dim, generator=gen) if bias else None,
               initial_states=torch.randn(batch, dim, width - 1, generator=gen).to(dtype) if h0 else None)
@@ -95,7 +99,7 @@ def make_fn_inputs(batch=2, dim=20, length=37, width=4, bias=True, h0=False, seq
 
 FN_CASES = {  # sizes off the Triton blocks (16 channels, up to 256 steps)
     "h0-silu": dict(make=dict(h0=True), activation="silu"),
-    "seq_idx-silu": dict(make=dict(seq=((10, 1, 26), (37,))), activation="silu"),
+    "seq_idx-silu-channel-last": dict(make=dict(seq=((10, 1, 26), (37,)), channel_last=True), activation="silu"),
     "W2-T1-no-bias": dict(make=dict(width=2, length=1, bias=False), activation=None),
     "T2-below-W-h0-W5": dict(make=dict(width=5, length=2, h0=True), activation="swish"),
 }
@@ -123,6 +127,7 @@ def test_fn_and_its_gradients_match_the_definition(backend, case):
     kw = make_fn_inputs(**spec["make"])
     final = "seq_idx" not in kw
     got_kw, got_leaves = with_grads(kw)
+    assert got_kw["x"].stride(1) == 1 or not spec["make"].get("channel_last")  # the leaf keeps x's layout
     result = torch_kernels.causal_conv1d_fn(**got_kw, activation=spec["activation"], return_final_states=final,
                                             implementation=backend)
     out, states = result if final else (result, None)

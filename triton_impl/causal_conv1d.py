@@ -5,7 +5,8 @@ Contract: ``torch_kernels.ops.causal_conv1d`` (the backend functions) and
 (the interpreter's bfloat16 arithmetic is wrong, and the sums want it anyway).
 
 - ``causal_conv1d_fwd_kernel``: a program per (time block, channel block, batch entry) over
-  ``x [B, D, T]`` (time contiguous, so loads are coalesced along it); the ``W`` taps are unrolled,
+  ``x [B, D, T]`` with any strides (contiguous, or channel-last as a transposed ``[B, T, D]``
+  projection, which models pass, read in place); the ``W`` taps are unrolled,
   each a shifted load, the shift reaching into ``initial_states`` before ``t = 0`` and masked by
   ``seq_idx`` across sequence boundaries. The backward runs this kernel too (see the ops module).
 - ``causal_conv1d_update_kernel``: a program per (batch entry, channel block); it reads the
@@ -36,9 +37,12 @@ class Config:
     num_warps: int = 4
 
 
-def default_config(length: int) -> Config:
-    """Up to 256 steps of 4 channels per program: 8 elements per thread at 4 warps (16 per thread spill on sm_90:
-    the W shifted tiles are live together)."""
+def default_config(length: int, channel_last: bool = False) -> Config:
+    """Up to 256 steps of 4 channels per program: 8 elements per thread at 4 warps (16 per thread
+    spill on sm_90: the W shifted tiles are live together). Channel-last x: 64 channels of 16
+    steps, so that loads run along its contiguous channels."""
+    if channel_last:
+        return Config(block_d=64, block_t=16)
     return Config(block_t=max(16, min(256, triton.next_power_of_2(length))))
 
 
@@ -49,7 +53,7 @@ def _silu(v):
 
 @triton.jit
 def causal_conv1d_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, seq_ptr, h0_ptr, out_ptr, D, T,
+    x_ptr, w_ptr, bias_ptr, seq_ptr, h0_ptr, out_ptr, D, T, stride_x_batch, stride_x_ch, stride_x_t,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr,
     SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -58,9 +62,12 @@ def causal_conv1d_fwd_kernel(
     ch = first + tl.arange(0, BLOCK_D)
     b = tl.program_id(2).to(tl.int64)
     t_in, ch_in = t < T, ch < D
-    # 64-bit bases per program, 32-bit offsets per element (half the registers of 64-bit ones)
+    # 64-bit bases per program, 32-bit offsets per element (half the registers of 64-bit ones);
+    # x may be channel-last (a transposed [B, T, D] projection, as models pass it)
     row0 = b * D + first
     local = tl.arange(0, BLOCK_D)[:, None] * T
+    x_base = x_ptr + b * stride_x_batch + first.to(tl.int64) * stride_x_ch
+    x_local = tl.arange(0, BLOCK_D)[:, None] * stride_x_ch
     inside = ch_in[:, None] & t_in[None, :]
     acc = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float32)
     if HAS_BIAS:
@@ -70,7 +77,7 @@ def causal_conv1d_fwd_kernel(
     for k in tl.static_range(WIDTH):
         src = t - (WIDTH - 1 - k)  # tap k reads x[t - (W - 1 - k)]
         w = tl.load(w_ptr + ch * WIDTH + k, mask=ch_in, other=0.0).to(tl.float32)
-        value = tl.load(x_ptr + row0 * T + (local + src[None, :]), mask=inside & (src >= 0)[None, :],
+        value = tl.load(x_base + (x_local + src[None, :] * stride_x_t), mask=inside & (src >= 0)[None, :],
                         other=0.0).to(tl.float32)
         if HAS_H0:  # positions before the first input come from the initial states
             if tl.program_id(0) == 0:
@@ -158,14 +165,16 @@ def causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, silu, config: Con
     """The convolution on CUDA/XPU tensors, or interpreted on CPU tensors."""
     _supported(x)
     batch, dim, length = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    config = config or default_config(length)
+    if max(abs(s) for s in x.stride()[1:]) * max(dim, length) >= 2**31:  # beyond the kernel's 32-bit offsets
+        x = x.contiguous()
+    config = config or default_config(length, channel_last=x.stride(1) == 1 and dim > 1)
     grid = (triton.cdiv(length, config.block_t), triton.cdiv(dim, config.block_d), batch)
     for_device(causal_conv1d_fwd_kernel, x.device)[grid](
         x, weight, x if bias is None else bias, x if seq_idx is None else seq_idx,
-        x if initial_states is None else initial_states, out, dim, length,
+        x if initial_states is None else initial_states, out, dim, length, *x.stride(),
         WIDTH=weight.shape[1], HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None,
         HAS_H0=initial_states is not None, SILU=silu, BLOCK_D=config.block_d, BLOCK_T=config.block_t,
         num_warps=config.num_warps,
@@ -198,16 +207,20 @@ def causal_conv1d_update(x, conv_state, weight, bias, silu, cache_seqlens, conv_
 
 def compile_targets(dtype: torch.dtype, width: int = 4):
     """[(label, kernel, signature, constexprs, num_warps)] of both kernels for ``dtype`` inputs and a
-    float32 filter: the forward with bias and SiLU, with initial states and with seq_idx (the
-    backward's runs have neither bias nor activation), and one-step decode, plain and ring."""
+    float32 filter: the forward with bias and SiLU, with initial states, with seq_idx and in the
+    channel-last tiles (the backward's runs have neither bias nor activation), and one-step decode,
+    plain and ring."""
     x_type = "*" + _TYPES[dtype]
-    config = default_config(4096)
     targets = []
-    for variant, flags in (("h0", dict(HAS_H0=True, HAS_SEQ=False, HAS_BIAS=True, SILU=True)),
-                           ("seq_idx", dict(HAS_H0=False, HAS_SEQ=True, HAS_BIAS=True, SILU=True)),
-                           ("backward", dict(HAS_H0=False, HAS_SEQ=False, HAS_BIAS=False, SILU=False))):
+    for variant, flags, config in (
+            ("h0", dict(HAS_H0=True, HAS_SEQ=False, HAS_BIAS=True, SILU=True), default_config(4096)),
+            ("seq_idx", dict(HAS_H0=False, HAS_SEQ=True, HAS_BIAS=True, SILU=True), default_config(4096)),
+            ("channel-last", dict(HAS_H0=False, HAS_SEQ=False, HAS_BIAS=True, SILU=True),
+             default_config(4096, channel_last=True)),
+            ("backward", dict(HAS_H0=False, HAS_SEQ=False, HAS_BIAS=False, SILU=False), default_config(4096))):
         signature = {"x_ptr": x_type, "w_ptr": "*fp32", "bias_ptr": "*fp32", "seq_ptr": "*i32", "h0_ptr": x_type,
-                     "out_ptr": x_type, "D": "i32", "T": "i32"}
+                     "out_ptr": x_type, "D": "i32", "T": "i32", "stride_x_batch": "i64", "stride_x_ch": "i32",
+                     "stride_x_t": "i32"}
         signature.update(dict.fromkeys(("WIDTH", "HAS_BIAS", "HAS_SEQ", "HAS_H0", "SILU", "BLOCK_D", "BLOCK_T"),
                                        "constexpr"))
         constexprs = dict(WIDTH=width, BLOCK_D=config.block_d, BLOCK_T=config.block_t, **flags)

@@ -10,8 +10,9 @@ and writes ``conv_state`` in place (declared in its schema).
 
 A backend implements ``forward(x, weight, bias, seq_idx, initial_states, silu) -> out`` and
 ``update(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices) -> out`` (writing
-``conv_state``); inputs arrive checked, contiguous (conv_state as the caller's, any strides),
-index tensors as int32, x of the update as ``[B, D, L]``. The math is in
+``conv_state``); inputs arrive checked and contiguous, but the forward's x and conv_state as the
+caller's (any strides: models pass x as a transposed ``[B, T, D]`` projection), index tensors as
+int32, x of the update as ``[B, D, L]``. The math is in
 ``torch_kernels.reference.causal_conv1d``.
 """
 
@@ -153,7 +154,7 @@ def _index(t):
 
 def _forward_kernel(x, weight, bias=None, seq_idx=None, initial_states=None, activation=None, implementation=None):
     check_inputs(x, weight, bias, seq_idx, initial_states, activation)
-    out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, _contiguous(x), _contiguous(weight),
+    out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, x.detach(), _contiguous(weight),
                             _contiguous(bias), _index(seq_idx), _contiguous(initial_states),
                             check_activation(activation))
     return out.contiguous()
