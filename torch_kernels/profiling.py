@@ -350,14 +350,20 @@ _telemetry: Telemetry | None = None
 _Tensor = torch.Tensor
 
 
+INDEX_NUMEL = 256  # integer tensors up to this size are kept, for formulas that read them (offsets, lengths)
+
+
 def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
-    """``describe(args)``: each argument as ``(shape, dtype)`` if a tensor, else itself (what the cost
-    formulas need later, holding no tensor). The hot path of the telemetry: per op and number of
-    arguments (the dispatcher leaves trailing defaults out), a function generated for its schema, so
-    that a call costs the attribute reads and nothing else."""
-    arguments = op._schema.arguments
+    """``describe(args)``: what the cost formulas need later, holding no tensor of data: each tensor
+    argument as ``(shape, dtype)``, other arguments as they are. Integer tensors of at most
+    ``INDEX_NUMEL`` elements (offsets, sequence lengths, which formulas read) are kept themselves.
+
+    The hot path of the telemetry: per op and number of arguments (the dispatcher leaves trailing
+    defaults out), a function generated from the schema and the first call's argument types, so a
+    call costs the attribute reads and nothing else.
+    """
     kinds = []
-    for argument in arguments:
+    for argument in op._schema.arguments:
         kind, optional = argument.type, isinstance(argument.type, torch.OptionalType)
         if optional:
             kind = kind.getElementType()
@@ -371,12 +377,17 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
             kinds.append("value")
     made: dict[int, Callable] = {}
 
-    def generated(count: int) -> Callable:
+    def generated(args: tuple) -> Callable:
         fields = []
-        for i, kind in enumerate(kinds[:count]):
-            fields.append(f"(a[{i}].shape, a[{i}].dtype)" if kind == "tensor" else
-                          f"(None if a[{i}] is None else (a[{i}].shape, a[{i}].dtype))" if kind == "optional" else
-                          f"_metadata(a[{i}])" if kind == "list" else f"a[{i}]")
+        for i, kind in enumerate(kinds[:len(args)]):
+            t = f"a[{i}]"
+            if kind in ("tensor", "optional"):
+                index = isinstance(args[i], _Tensor) and not (args[i].is_floating_point() or args[i].is_complex())
+                field = f"({t} if {t}.numel() <= {INDEX_NUMEL} else ({t}.shape, {t}.dtype))" if index \
+                    else f"({t}.shape, {t}.dtype)"
+                fields.append(f"(None if {t} is None else {field})" if kind == "optional" else field)
+            else:
+                fields.append(f"_metadata({t})" if kind == "list" else t)
         return eval(f"lambda a: ({', '.join(fields)}{',' if len(fields) == 1 else ''})",  # noqa: S307 - our own text
                     {"_metadata": _metadata})
 
@@ -386,7 +397,7 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
         except KeyError:
             if len(args) > len(kinds):
                 return tuple(_metadata(a) for a in args)
-            fn = made[len(args)] = generated(len(args))
+            fn = made[len(args)] = generated(args)
             return fn(args)
 
     return describe
@@ -394,6 +405,8 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
 
 def _metadata(value):
     if isinstance(value, _Tensor):
+        if not (value.is_floating_point() or value.is_complex()) and value.numel() <= INDEX_NUMEL:
+            return value
         return value.shape, value.dtype
     if isinstance(value, (list, tuple)):  # kept as a tuple: the caller may change its list later
         return tuple(_metadata(v) for v in value)
@@ -404,16 +417,21 @@ def _is_metadata(value) -> bool:
     return type(value) is tuple and len(value) == 2 and type(value[0]) is torch.Size
 
 
-def _on_meta(value):
-    """A recorded argument back as an argument: a meta tensor of its shape and dtype for a tensor."""
+def _on_meta(value, keep_index: bool):
+    """A recorded argument back as an argument: a meta tensor of its shape and dtype for a tensor; a kept
+    index tensor itself when ``keep_index`` (for the formulas), else on meta too (for the fake kernel)."""
     if _is_metadata(value):
         return torch.empty(value[0], dtype=value[1], device="meta")
+    if isinstance(value, _Tensor):
+        return value if keep_index else torch.empty_like(value, device="meta")
     if isinstance(value, tuple):
-        return [_on_meta(v) for v in value]
+        return [_on_meta(v, keep_index) for v in value]
     return value
 
 
 def _hashable(value):
+    if isinstance(value, _Tensor):
+        return value.shape, value.dtype, tuple(value.reshape(-1).tolist())
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
     return value
@@ -423,8 +441,11 @@ def _shapes_dtypes_arguments(meta: tuple) -> tuple[list, list, list]:
     """The tensor arguments' shapes and dtypes, and the other arguments given (not None), in order."""
     shapes, dtypes, others = [], [], []
     for value in meta:
-        items = value if isinstance(value, tuple) and value and all(map(_is_metadata, value)) else (value,)
+        items = value if isinstance(value, tuple) and value and all(
+            _is_metadata(v) or isinstance(v, _Tensor) for v in value) else (value,)
         for item in items:
+            if isinstance(item, _Tensor):
+                item = item.shape, item.dtype
             if _is_metadata(item):
                 shapes.append(list(item[0]))
                 dtypes.append(str(item[1]).removeprefix("torch."))
@@ -441,8 +462,11 @@ class Telemetry:
     dtypes, the other arguments, and its start and end on the host clock, or on an accelerator two
     device events recorded around the call on the current stream, read only when a snapshot is
     taken (no sync per call). FLOPs and bytes are worked out at snapshot time from the recorded
-    shapes (the op's formulas on meta tensors, once per distinct signature); formulas that read
-    tensor values (sequence lengths, slot mappings) cannot run on shapes alone and give ``None``.
+    shapes (the op's formulas on meta tensors, once per distinct signature). Formulas that read
+    tensor values (expert offsets, sequence lengths) read the integer tensors of at most
+    ``INDEX_NUMEL`` elements, which the record keeps (a snapshot copies them to the host; a caller
+    that overwrites one in place before the snapshot gets the cost of the new values); where such a
+    tensor is larger, the formula cannot run on its shape alone and the cost is ``None``.
     """
 
     def __init__(self, seconds: float = 90.0, max_events: int = 100_000):
@@ -599,13 +623,12 @@ def _cost_on_meta(name: str, meta: list, kwargs: dict) -> tuple[int | None, int 
     definition, cost = _library._definitions.get(name), _library.cost_of(name)
     if definition is None or cost is None:
         return None, None
-    args = [_on_meta(value) for value in meta]
     try:
         with _library._below_autograd():  # to the op's fake kernel, not the recording one
-            out = definition.op(*args, **kwargs)
+            out = definition.op(*[_on_meta(value, False) for value in meta], **kwargs)
     except Exception:  # noqa: BLE001 - an output the fake kernel cannot size from shapes alone
         out = None
-    bound = _library.bind_arguments(definition.op, tuple(args), kwargs)
+    bound = _library.bind_arguments(definition.op, tuple(_on_meta(value, True) for value in meta), kwargs)
     values = []
     for formula in (cost.flops, cost.bytes):
         try:
@@ -661,7 +684,9 @@ def continuous(seconds: float = 90.0, max_events: int = 100_000) -> Telemetry:
     >>> ...                                   # serve, train
     >>> print(telemetry.snapshot(10))         # the last 10 s, as the profile table
 
-    Memory stays bounded however long it runs (the ring drops its oldest calls). It costs a few
+    Memory stays bounded however long it runs: the ring drops its oldest calls, and a record holds
+    shapes, not tensors, but for small integer tensors (at most ``INDEX_NUMEL`` elements each, see
+    :class:`Telemetry`), usually the same few objects shared by many calls. It costs a few
     hundred nanoseconds per op call on the CPU (benchmarks/telemetry.py measures it) and no device
     sync on accelerators; off, nothing (the ops run exactly as defined). A second call replaces the
     running telemetry; ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile
