@@ -53,7 +53,8 @@ def test_a_measurement_appends_one_line_with_every_timing(tmp_path, monkeypatch)
     assert first["commit"] == common.git_commit() and first["library"] == torch_kernels.__version__
     assert first["versions"]["torch"] == torch.__version__ and set(first["versions"]) == {"torch", "triton", "jax",
                                                                                         "python"}
-    assert len(first["seconds"]) >= 3 and best <= min(first["seconds"])
+    # blocks of calls, or one call alone when one took longer than the budget (a busy machine)
+    assert (len(first["seconds"]) >= 3 and best <= min(first["seconds"])) or first["seconds"] == [best]
     assert lines[0]["run"] == lines[2]["run"] and first["script"] == pathlib.Path(sys.argv[0]).stem
 
     # bisect's filter: another case is run once and not timed or recorded
