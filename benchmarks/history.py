@@ -2,6 +2,7 @@
 
     python -m torch_kernels bench compare [--base REV|FILE] [--threshold PCT] [--history FILE] [--png FILE]
     python -m torch_kernels bench bisect GOOD BAD --case "op/backend/shape/dtype" [--script NAME] [--command CMD]
+    python -m torch_kernels bench false-alarms [--history FILE]   # runs of one commit against each other
 
 The history is what the benchmark scripts append with ``--history`` (``common.record_history``): one
 JSON line per measurement, holding every timed block's seconds per call. Lines are compared only
@@ -268,6 +269,42 @@ def main_compare(args) -> int:
     return 1 if slower else 0
 
 
+def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01) -> dict:
+    """How often the test flags runs of one unchanged commit: every run of the history's newest commit
+    after its first, compared case by case with the run just before it and with all earlier runs pooled.
+    Returns the counts of comparisons, slower and faster flags (and too-few-timings rows) for each."""
+    commit = _commit(lines[-1])
+    runs = list(dict.fromkeys(line.get("run") for line in lines if _commit(line) == commit))
+    by_run = {run: {key(line): line for line in lines if line.get("run") == run and _commit(line) == commit}
+              for run in runs}
+    counts = {mode: {"compared": 0, SLOWER: 0, FASTER: 0, TOO_FEW: 0} for mode in ("previous run", "earlier runs")}
+    for i, run in enumerate(runs[1:], 1):
+        for k, new in by_run[run].items():
+            bases = {"previous run": [by_run[runs[i - 1]].get(k)],
+                     "earlier runs": [by_run[r].get(k) for r in runs[:i]]}
+            for mode, chosen in bases.items():
+                pooled = [s for line in chosen if line is not None for s in line["seconds"]]
+                if not pooled:
+                    continue
+                verdict = compare_case(new["seconds"], pooled, threshold, alpha)["verdict"]
+                counts[mode]["compared"] += verdict != TOO_FEW
+                if verdict != SAME:
+                    counts[mode][verdict] += 1
+    return {"commit": commit, "runs": len(runs), "counts": counts}
+
+
+def main_false_alarms(args) -> int:
+    path = args.history or default_history()
+    found = false_alarms(load(path), args.threshold / 100, args.alpha)
+    print(f"{found['runs']} runs of {found['commit'][:12]} in {path} (threshold {args.threshold:g}%, alpha {args.alpha:g})")
+    for mode, c in found["counts"].items():
+        flagged = c[SLOWER] + c[FASTER]
+        rate = flagged / c["compared"] if c["compared"] else float("nan")
+        print(f"  each run against the {mode}: {flagged} of {c['compared']} case comparisons flagged ({rate:.1%}): "
+              f"{c[SLOWER]} slower, {c[FASTER]} faster; {c[TOO_FEW]} with too few timings to test")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- bisection
 
 def measure_case(tree: pathlib.Path, command: str, case: str, script: str | None, timeout_s: float) -> dict | None:
@@ -297,11 +334,13 @@ def _git(repo: pathlib.Path, *args: str, check: bool = True) -> subprocess.Compl
 
 
 def bisect(good: str, bad: str, case: str, repo: pathlib.Path = ROOT, script: str | None = None,
-           command: str = DEFAULT_COMMAND, timeout_s: float = 1800) -> dict:
+           command: str = DEFAULT_COMMAND, timeout_s: float = 1800, threshold: float = 0.1,
+           alpha: float = 0.01) -> dict:
     """The first commit between ``good`` and ``bad`` where ``case`` got slow (see the module's docstring).
 
     Returns ``{"first_bad": sha or None, "good_median", "bad_median", "cut", "log"}``; a ValueError when
-    the case does not run at either end or is not slower at ``bad``.
+    the case does not run at either end or is not slower at ``bad`` by compare's test
+    (:func:`compare_case` with ``threshold`` and ``alpha``).
     """
     good_sha, bad_sha = resolve_revision(good, repo), resolve_revision(bad, repo)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="bench-bisect-"))
@@ -314,10 +353,14 @@ def bisect(good: str, bad: str, case: str, repo: pathlib.Path = ROOT, script: st
             line = measure_case(tree, command, case, script, timeout_s)
             if line is None:
                 raise ValueError(f"case: {case!r} wrote no timings at {name} ({sha[:12]})")
-            ends[name] = statistics.median(line["seconds"])
-        if ends["bad"] <= ends["good"]:
+            ends[name] = line["seconds"]
+        verdict = compare_case(ends["bad"], ends["good"], threshold, alpha)
+        ends = {name: statistics.median(seconds) for name, seconds in ends.items()}
+        if verdict["verdict"] != SLOWER:
             raise ValueError(f"case: {case!r} is not slower at {bad} ({_format(ends['bad'])}) than at {good} "
-                             f"({_format(ends['good'])}); nothing to bisect")
+                             f"({_format(ends['good'])}): change {verdict['change']:+.1%}, noise "
+                             f"±{verdict['noise']:.1%}, p {verdict['p_slower']:.2g} ({verdict['verdict']}); "
+                             "nothing to bisect")
         cut = math.sqrt(ends["good"] * ends["bad"])
         _git(tree, "bisect", "start", bad_sha, good_sha)
         step = [sys.executable, str(pathlib.Path(__file__).resolve()), "bisect-step", "--case", case, "--cut", repr(cut),
@@ -370,7 +413,8 @@ def main_bisect(args) -> int:
             return 2
     repo = pathlib.Path(args.repo) if args.repo else ROOT
     try:
-        found = bisect(args.good, args.bad, args.case, repo, script, args.command, args.timeout)
+        found = bisect(args.good, args.bad, args.case, repo, script, args.command, args.timeout,
+                       args.threshold / 100, args.alpha)
     except ValueError as error:
         print(f"bisect: {error}", file=sys.stderr)
         return 2
@@ -407,6 +451,13 @@ def main(argv=None) -> int:
     bis.add_argument("--repo", default=None, help="the repository (default: this checkout)")
     bis.add_argument("--history", type=pathlib.Path, default=None, help="history to find the case's script in")
     bis.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
+    bis.add_argument("--threshold", type=float, default=10.0, help="percent BAD must be slower by, as for compare")
+    bis.add_argument("--alpha", type=float, default=0.01, help="as for compare (default 0.01)")
+    fa = sub.add_parser("false-alarms", help="how often compare flags runs of one unchanged commit "
+                                             "(record several runs of it first)")
+    fa.add_argument("--history", type=pathlib.Path, default=None, help="history file (default: this device's)")
+    fa.add_argument("--threshold", type=float, default=10.0, help="percent, as for compare (default 10)")
+    fa.add_argument("--alpha", type=float, default=0.01, help="as for compare (default 0.01)")
     step = sub.add_parser("bisect-step", help=argparse.SUPPRESS)
     step.add_argument("--case", required=True)
     step.add_argument("--cut", type=float, required=True)
@@ -414,7 +465,7 @@ def main(argv=None) -> int:
     step.add_argument("--script", default=None)
     step.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
-    if args.action == "compare" and args.threshold < 0:
+    if args.action in ("compare", "bisect", "false-alarms") and args.threshold < 0:
         parser.error("--threshold: expected a percentage >= 0")
     if args.action == "bisect-step":
         try:
@@ -424,7 +475,7 @@ def main(argv=None) -> int:
 
             traceback.print_exc()
             return 255
-    return {"compare": main_compare, "bisect": main_bisect}[args.action](args)
+    return {"compare": main_compare, "bisect": main_bisect, "false-alarms": main_false_alarms}[args.action](args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from common import BENCHMARKS, declaring  # noqa: E402
 
 
 def main() -> int:
-    if sys.argv[1:2] and sys.argv[1] in ("compare", "bisect", "bisect-step"):
+    if sys.argv[1:2] and sys.argv[1] in ("compare", "bisect", "bisect-step", "false-alarms"):
         import history
 
         return history.main(sys.argv[1:])

@@ -4,7 +4,8 @@
 
 Times blocks of calls of probe ops (defined here: a kernel that returns its input through
 ``backends.dispatch``, with 1, 3 and 6 tensor arguments, so the table shows the cost per tensor
-argument) and of ``mahalanobis_score`` at a small shape, with the telemetry off, on, and inside a
+argument) and of ``mahalanobis_score`` at a small shape, with the telemetry off, on (with and
+without ``shapes``), and inside a
 ``torch_kernels.profile`` block for comparison. The modes alternate within each round and the
 overhead is the fastest block of a mode less the fastest block off (load from other processes only
 adds time); the recording wrapper is also timed alone, around a kernel that does nothing. Also checks that the ring holds at most ``max_events`` calls however
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -63,20 +65,21 @@ def per_call_seconds(call, n: int) -> float:
 def measure(call, rounds: int, n: int) -> dict:
     """Per-call seconds off, with the telemetry on and in a profile block: the fastest block of each, and
     the overheads as differences of those (load from other processes only adds time)."""
-    samples: dict[str, list[float]] = {"off": [], "telemetry": [], "profile": []}
+    samples: dict[str, list[float]] = {"off": [], "telemetry": [], "no_shapes": [], "profile": []}
     call()
     for _ in range(rounds):
         samples["off"].append(per_call_seconds(call, n))
-        telemetry = torch_kernels.profile.continuous(seconds=60, max_events=10_000)
-        call()
-        samples["telemetry"].append(per_call_seconds(call, n))
-        telemetry.stop()
+        for mode, shapes in (("telemetry", True), ("no_shapes", False)):
+            telemetry = torch_kernels.profile.continuous(seconds=60, max_events=10_000, shapes=shapes)
+            call()
+            samples[mode].append(per_call_seconds(call, n))
+            telemetry.stop()
         with torch_kernels.profile(calibrate=False, activities=[torch.profiler.ProfilerActivity.CPU]):
             call()
             samples["profile"].append(per_call_seconds(call, n))
     off = min(samples["off"])
     return {"off_us": off * 1e6, **{f"{mode}_overhead_us": (min(samples[mode]) - off) * 1e6
-                                     for mode in ("telemetry", "profile")},
+                                     for mode in ("telemetry", "no_shapes", "profile")},
             "off_median_us": statistics.median(samples["off"]) * 1e6,
             "telemetry_median_us": statistics.median(samples["telemetry"]) * 1e6,
             "rounds": rounds, "calls_per_block": n}
@@ -142,12 +145,15 @@ def main(argv=None) -> int:
     held = bounded_ring(1000, 5000, probes[3])
 
     alone = hot_path(rounds, n)
-    header = ["case", "off, us/call", "telemetry on, +us/call", "profile block, +us/call", "median off / on, us"]
-    rows = [[label, f"{r['off_us']:.2f}", f"{r['telemetry_overhead_us']:.2f}", f"{r['profile_overhead_us']:.2f}",
+    header = ["case", "off, us/call", "telemetry on, +us/call", "shapes=False, +us/call", "profile block, +us/call",
+              "median off / on, us"]
+    rows = [[label, f"{r['off_us']:.2f}", f"{r['telemetry_overhead_us']:.2f}", f"{r['no_shapes_overhead_us']:.2f}",
+             f"{r['profile_overhead_us']:.2f}",
              f"{r['off_median_us']:.2f} / {r['telemetry_median_us']:.2f}"] for label, r in results.items()]
     report = "\n".join([
-        "# Always-on telemetry: overhead per op call (CPU)", "", machine_line(), "",
-        f"Fastest of {rounds} blocks of {n} calls per mode (off / on / profile alternating), one torch thread; "
+        "# Always-on telemetry: overhead per op call (CPU)", "",
+        f"{machine_line()}; load average {os.getloadavg()[0]:.1f} when it ended (the machine is shared)", "",
+        f"Fastest of {rounds} blocks of {n} calls per mode (the modes alternating), one torch thread; "
         "the last column the medians, for the machine's noise.", "",
         markdown_table(header, rows), "",
         "The recording wrapper alone (around a kernel that only reports its backend), added per call: "

@@ -167,6 +167,20 @@ def test_compare_against_a_commit_or_another_file(tmp_path):
     assert history.compare(history.load(few))[0]["verdict"] == history.TOO_FEW  # p can never reach alpha
 
 
+def test_false_alarms_replays_the_runs_of_one_commit(tmp_path):
+    gen = random.Random(11)
+    quiet = lambda scale: [scale * (1 + gen.random() * 0.01) for _ in range(8)]  # noqa: E731
+    lines = [fake_line("0" * 40, "old", "a/ref/8/float32", quiet(5.0))]  # another commit: not replayed
+    for run in range(4):
+        lines += [fake_line("1" * 40, f"r{run}", "a/ref/8/float32", quiet(2.0 if run == 3 else 1.0)),
+                  fake_line("1" * 40, f"r{run}", "b/ref/8/float32", quiet(1.0))]
+    found = history.false_alarms(lines)
+    assert found["runs"] == 4
+    # each of runs 1-3 against run 0-2 (3 x 2 cases), and against all runs before it: only run 3's a is slower
+    for counts in found["counts"].values():
+        assert counts == {"compared": 6, history.SLOWER: 1, history.FASTER: 0, history.TOO_FEW: 0}
+
+
 # ---- bisect ----
 
 BENCH = '''import json, statistics, sys, time

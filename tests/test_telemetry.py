@@ -77,6 +77,11 @@ def test_memory_and_time_are_bounded(inputs):
         torch_kernels.mahalanobis_score(x[:4], means, whitener)
         recent = telemetry.events(seconds=0.04)  # only the call after the pause
         assert [e["shapes"][0] for e in recent] == [[4, 16]]
+    with torch_kernels.profile.continuous(shapes=False) as telemetry:  # op, backend and time only
+        torch_kernels.mahalanobis_score(x, means, whitener)
+        (event,) = telemetry.events()
+    assert (event["op"], event["backend"], event["shapes"], event["flops"]) == ("mahalanobis_score", "reference", [],
+                                                                                None)
     with pytest.raises(ValueError, match="^max_events: "):
         torch_kernels.profile.continuous(max_events=0)
     with pytest.raises(ValueError, match="^seconds: "):

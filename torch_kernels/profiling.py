@@ -440,7 +440,7 @@ def _hashable(value):
 def _shapes_dtypes_arguments(meta: tuple) -> tuple[list, list, list]:
     """The tensor arguments' shapes and dtypes, and the other arguments given (not None), in order."""
     shapes, dtypes, others = [], [], []
-    for value in meta:
+    for value in meta or ():  # None: recorded without shapes
         items = value if isinstance(value, tuple) and value and all(
             _is_metadata(v) or isinstance(v, _Tensor) for v in value) else (value,)
         for item in items:
@@ -469,13 +469,14 @@ class Telemetry:
     tensor is larger, the formula cannot run on its shape alone and the cost is ``None``.
     """
 
-    def __init__(self, seconds: float = 90.0, max_events: int = 100_000):
+    def __init__(self, seconds: float = 90.0, max_events: int = 100_000, shapes: bool = True):
         if not seconds > 0:
             raise ValueError(f"seconds: expected a positive window, got {seconds}")
         if not (isinstance(max_events, int) and max_events > 0):
             raise ValueError(f"max_events: expected a positive int, got {max_events!r}")
         self.seconds = float(seconds)
         self.max_events = max_events
+        self.shapes = bool(shapes)
         self._ring: collections.deque = collections.deque(maxlen=max_events)
         self._kernels = None
         self._costs: dict[tuple, tuple[int | None, int | None]] = {}
@@ -524,6 +525,7 @@ class Telemetry:
         """``kernel`` adding a record of each call to the ring: the hot path, kept to a few lookups."""
         name = op._opname
         describe = _describer(op)
+        shapes = self.shapes
         append = self._ring.append
         clock = time.perf_counter
         tensor_positions = [i for i, a in enumerate(op._schema.arguments) if isinstance(a.type, torch.TensorType)]
@@ -543,7 +545,7 @@ class Telemetry:
                     out = kernel(*args, **kwargs)
                 finally:
                     stack.pop()
-                append((name, start, clock(), frame, describe(args), kwargs or None, None))
+                append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None, None))
                 return out
             device = args[first].device
             begin, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
@@ -554,7 +556,8 @@ class Telemetry:
             finally:
                 stack.pop()
             end.record()
-            append((name, start, clock(), frame, describe(args), kwargs or None, (device, begin, end, None)))
+            append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None,
+                    (device, begin, end, None)))
             return out
 
         recorded.__name__ = f"{name}_recorded"
@@ -621,7 +624,7 @@ class Telemetry:
 
 def _cost_on_meta(name: str, meta: list, kwargs: dict) -> tuple[int | None, int | None]:
     definition, cost = _library._definitions.get(name), _library.cost_of(name)
-    if definition is None or cost is None:
+    if definition is None or cost is None or meta is None:
         return None, None
     try:
         with _library._below_autograd():  # to the op's fake kernel, not the recording one
@@ -676,7 +679,7 @@ def _device_named(name: str) -> torch.device:
     return torch.device(name.split(":", 1)[0])
 
 
-def continuous(seconds: float = 90.0, max_events: int = 100_000) -> Telemetry:
+def continuous(seconds: float = 90.0, max_events: int = 100_000, shapes: bool = True) -> Telemetry:
     """Turn the always-on telemetry on: every ``torch_kernels`` op call from now on is recorded in a
     ring of at most ``max_events`` calls, of which a snapshot reads the last ``seconds``.
 
@@ -688,12 +691,14 @@ def continuous(seconds: float = 90.0, max_events: int = 100_000) -> Telemetry:
     shapes, not tensors, but for small integer tensors (at most ``INDEX_NUMEL`` elements each, see
     :class:`Telemetry`), usually the same few objects shared by many calls. It costs a few
     hundred nanoseconds per op call on the CPU (benchmarks/telemetry.py measures it) and no device
-    sync on accelerators; off, nothing (the ops run exactly as defined). A second call replaces the
+    sync on accelerators; off, nothing (the ops run exactly as defined). ``shapes=False`` records op,
+    backend and time only, no shapes and so no FLOPs or bytes: most of the cost per call is reading
+    the tensor arguments' shapes and dtypes (about 0.3 us each on a busy 2-core machine). A second call replaces the
     running telemetry; ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile
     block started while it runs feeds it too; start it outside one. Ops are the ones defined when it
     starts.
     """
-    return Telemetry(seconds, max_events)._start()
+    return Telemetry(seconds, max_events, shapes)._start()
 
 
 def telemetry() -> Telemetry | None:
