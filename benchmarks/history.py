@@ -19,8 +19,10 @@ median exceeds ``--threshold``, and it exceeds the measured noise (the larger si
 any case is slower, so CI or a cron job can gate on it.
 
 ``bisect`` checks a commit out in a temporary worktree (the user's checkout stays as it is), runs
-one case there at GOOD and at BAD, and then runs ``git bisect`` with that case as the test: a
-commit is bad when the case's median is closer to BAD's than to GOOD's (the geometric middle).
+one case there at GOOD and at BAD (until it has ``END_TIMINGS`` timings of each, at most ``END_RUNS``
+runs), checks with compare's test that BAD is slower, and then runs ``git bisect`` with that case as
+the test: a commit is bad when the case's median is closer to BAD's than to GOOD's (the geometric
+middle).
 The command that measures defaults to the case's script with ``--quick`` and only that case timed
 (``$TORCH_KERNELS_BENCH_CASE``), the commit's own code imported; a commit where it fails is skipped.
 """
@@ -44,6 +46,7 @@ from common import CASE_ENV, HISTORY_ENV, RESULTS, ROOT, case_matches, markdown_
 
 SLOWER, FASTER, SAME, TOO_FEW = "slower", "faster", "same", "too few timings"
 DEFAULT_COMMAND = "{python} benchmarks/{script}.py --quick --history {history}"
+END_TIMINGS, END_RUNS = 8, 3  # bisect measures GOOD and BAD until it has this many timings, at most this many runs
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -350,10 +353,14 @@ def bisect(good: str, bad: str, case: str, repo: pathlib.Path = ROOT, script: st
         ends = {}
         for name, sha in (("bad", bad_sha), ("good", good_sha)):
             _git(tree, "checkout", "--quiet", "--detach", sha)
-            line = measure_case(tree, command, case, script, timeout_s)
-            if line is None:
-                raise ValueError(f"case: {case!r} wrote no timings at {name} ({sha[:12]})")
-            ends[name] = line["seconds"]
+            ends[name] = []
+            for _ in range(END_RUNS):  # a slow case gives few timings a run: enough for the test at the ends
+                line = measure_case(tree, command, case, script, timeout_s)
+                if line is None:
+                    raise ValueError(f"case: {case!r} wrote no timings at {name} ({sha[:12]})")
+                ends[name] += line["seconds"]
+                if len(ends[name]) >= END_TIMINGS:
+                    break
         verdict = compare_case(ends["bad"], ends["good"], threshold, alpha)
         ends = {name: statistics.median(seconds) for name, seconds in ends.items()}
         if verdict["verdict"] != SLOWER:
