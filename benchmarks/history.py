@@ -229,20 +229,24 @@ def plot(rows: list[dict], path: pathlib.Path) -> bool:
     except ImportError:
         return False
     colors = {SLOWER: "tab:red", FASTER: "tab:green", SAME: "tab:gray", TOO_FEW: "lightgray"}
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
-    names = [f"{r['script']}: {r['case']}"[:90] for r in rows]
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.5))
+    names = [_shortened(f"{r['script']}: {r['case']}", 56) for r in rows]
     ax.barh(range(len(rows)), [r["change"] * 100 for r in rows], xerr=[r["noise"] * 100 for r in rows],
             color=[colors[r["verdict"]] for r in rows], capsize=2)
     ax.set_yticks(range(len(rows)), names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_xlabel("change of the median time, % (bars: noise, 95% band)")
-    ax.set_title("benchmark compare: red slower, green faster, gray within noise")
+    ax.set_title("red: slower, green: faster, gray: within the noise, light gray: too few timings", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _shortened(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 12] + "..." + text[-9:]
 
 
 def default_history() -> pathlib.Path:

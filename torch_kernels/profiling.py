@@ -7,6 +7,8 @@ prints one row per op and backend: calls, total and mean time, achieved FLOP/s a
 their fractions of the device's peaks, which :func:`calibrate_device` measures once per device
 (copy bandwidth and matmul rate) and caches. ``prof.export_chrome_trace(path)`` (or ``trace=``)
 writes the Chrome trace, where each kernel appears as ``torch_kernels::<op>[<backend>]``.
+``torch_kernels.profile.continuous()`` records the same per call, always on, in a bounded ring
+(:class:`Telemetry`); its ``snapshot()`` gives the last seconds as this table, rows or a trace.
 
 How a call is timed: the op's own kernel is swapped for a timed one while the block runs
 (``_library.kernels_replaced_by``), so outside it nothing changes and nothing is checked. The
@@ -467,6 +469,12 @@ class Telemetry:
     ``INDEX_NUMEL`` elements, which the record keeps (a snapshot copies them to the host; a caller
     that overwrites one in place before the snapshot gets the cost of the new values); where such a
     tensor is larger, the formula cannot run on its shape alone and the cost is ``None``.
+
+    Args:
+        seconds: the window a snapshot reads by default; older calls are dropped when one is taken.
+        max_events: the most calls the ring holds (the oldest go first), which bounds its memory.
+        shapes: record the arguments (shapes, dtypes, the rest) for the shapes column and the costs;
+            ``False`` records op, backend and time only, for the least cost per call.
     """
 
     def __init__(self, seconds: float = 90.0, max_events: int = 100_000, shapes: bool = True):
@@ -689,13 +697,14 @@ def continuous(seconds: float = 90.0, max_events: int = 100_000, shapes: bool = 
 
     Memory stays bounded however long it runs: the ring drops its oldest calls, and a record holds
     shapes, not tensors, but for small integer tensors (at most ``INDEX_NUMEL`` elements each, see
-    :class:`Telemetry`), usually the same few objects shared by many calls. It costs a few
-    hundred nanoseconds per op call on the CPU (benchmarks/telemetry.py measures it) and no device
-    sync on accelerators; off, nothing (the ops run exactly as defined). ``shapes=False`` records op,
-    backend and time only, no shapes and so no FLOPs or bytes: most of the cost per call is reading
-    the tensor arguments' shapes and dtypes (about 0.3 us each on a busy 2-core machine). A second call replaces the
-    running telemetry; ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile
-    block started while it runs feeds it too; start it outside one. Ops are the ones defined when it
+    :class:`Telemetry`), usually the same few objects shared by many calls. Per op call on the CPU
+    it costs about 1 us plus 0.3 us per tensor argument on a busy 2-core machine
+    (benchmarks/telemetry.py), most of it reading the tensors' shapes and dtypes; ``shapes=False``
+    records op, backend and time only (so no FLOPs or bytes) for under 1 us. On accelerators it
+    adds two device events per call and never syncs. Off, it costs nothing: the ops run exactly as
+    defined, and backends.dispatch checks one flag. A second call replaces the running telemetry;
+    ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile block started
+    while it runs feeds it too; start it outside one. Ops are the ones defined when it
     starts.
     """
     return Telemetry(seconds, max_events, shapes)._start()
