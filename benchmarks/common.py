@@ -1,6 +1,7 @@
 """What every benchmark script shares: timing, tables, the results folder, peer environments, the
-family scripts' common options, and what each family script declares for the scripts that run or
-summarize all of them (``family_benchmarks``).
+family scripts' common options, the benchmark history (``--history``: every measurement's timings
+appended as a JSON line, which benchmarks/history.py compares and bisects), and what each family
+script declares for the scripts that run or summarize all of them (``family_benchmarks``).
 
 Only the standard library and torch, so that peer scripts run in their own environments can
 import it too; torch only inside functions, so that ``python benchmarks/common.py gpu-steps``
@@ -100,8 +101,9 @@ def history_path() -> pathlib.Path | None:
 
 def default_history_path(device: str | None = None) -> pathlib.Path:
     """``benchmarks/history/<device name, as a file name>.jsonl`` for ``device`` (default: this machine's
-    accelerator, else its CPU)."""
-    name = device or device_label()
+    accelerator, else its CPU); a CPU's thread count is left out of the file name (measurements with
+    other counts share the file, and each line's device, which compare matches, keeps it)."""
+    name = re.sub(r"\s*\(\d+ threads?\)", "", device or device_label())
     return HISTORY / (re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") + ".jsonl")
 
 
@@ -214,9 +216,13 @@ def record_history(case: dict, samples: list[float], path: pathlib.Path | None =
     and ``seconds``, every timed block's seconds per call. Returns the line's dict."""
     global _context
     if _context is None:
-        import torch_kernels
+        try:
+            import torch_kernels
 
-        _context = {"commit": git_commit(), "library": torch_kernels.__version__, "versions": environment_versions()}
+            library = torch_kernels.__version__
+        except ImportError:  # a peer script in an environment of its own
+            library = None
+        _context = {"commit": git_commit(), "library": library, "versions": environment_versions()}
     device = case.get("device") or device_label()
     line = {"run": _RUN, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _context["commit"],
             "script": _script(), **{key: case.get(key) for key in ("case", "op", "backend", "shape", "dtype")},

@@ -61,7 +61,8 @@ def test_a_measurement_appends_one_line_with_every_timing(tmp_path, monkeypatch)
     monkeypatch.setenv(common.CASE_ENV, "matmul/*")
     common.seconds_per_call(call, 5.0)  # would take 5 s if it were timed
     assert len(history.load(path)) == 3
-    assert common.default_history_path("cpu: Some CPU (2 threads)").name == "cpu-Some-CPU-2-threads.jsonl"
+    assert common.default_history_path("cpu: Some CPU (2 threads)").name == "cpu-Some-CPU.jsonl"
+    assert common.default_history_path("cuda: NVIDIA H200").name == "cuda-NVIDIA-H200.jsonl"
 
 
 # ---- the test ----

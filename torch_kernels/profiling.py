@@ -353,6 +353,7 @@ _Tensor = torch.Tensor
 
 
 INDEX_NUMEL = 256  # integer tensors up to this size are kept, for formulas that read them (offsets, lengths)
+COST_MEMO = 4096  # distinct call signatures whose FLOPs and bytes a telemetry remembers
 
 
 def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
@@ -583,6 +584,8 @@ class Telemetry:
         key = (name, _hashable(meta), _hashable(sorted((kwargs or {}).items())))
         known = self._costs.get(key)
         if known is None:
+            if len(self._costs) >= COST_MEMO:  # bounded too: a long run may see many distinct shapes
+                self._costs.clear()
             known = self._costs[key] = _cost_on_meta(name, meta, kwargs or {})
         return known
 
