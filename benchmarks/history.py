@@ -303,7 +303,8 @@ def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01)
 def main_false_alarms(args) -> int:
     path = args.history or default_history()
     found = false_alarms(load(path), args.threshold / 100, args.alpha)
-    print(f"{found['runs']} runs of {found['commit'][:12]} in {path} (threshold {args.threshold:g}%, alpha {args.alpha:g})")
+    print(f"{found['runs']} runs of {found['commit'][:12]} in {path} "
+          f"(threshold {args.threshold:g}%, alpha {args.alpha:g})")
     for mode, c in found["counts"].items():
         flagged = c[SLOWER] + c[FASTER]
         rate = flagged / c["compared"] if c["compared"] else float("nan")
@@ -374,8 +375,9 @@ def bisect(good: str, bad: str, case: str, repo: pathlib.Path = ROOT, script: st
                              "nothing to bisect")
         cut = math.sqrt(ends["good"] * ends["bad"])
         _git(tree, "bisect", "start", bad_sha, good_sha)
-        step = [sys.executable, str(pathlib.Path(__file__).resolve()), "bisect-step", "--case", case, "--cut", repr(cut),
-                "--command", command, "--timeout", str(timeout_s), *(["--script", script] if script else [])]
+        step = [sys.executable, str(pathlib.Path(__file__).resolve()), "bisect-step", "--case", case,
+                "--cut", repr(cut), "--command", command, "--timeout", str(timeout_s),
+                *(["--script", script] if script else [])]
         run = _git(tree, "bisect", "run", *step, check=False)
         log = run.stdout + run.stderr
         first = None

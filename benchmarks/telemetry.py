@@ -5,10 +5,10 @@
 Times blocks of calls of probe ops (defined here: a kernel that returns its input through
 ``backends.dispatch``, with 1, 3 and 6 tensor arguments, so the table shows the cost per tensor
 argument) and of ``mahalanobis_score`` at a small shape, with the telemetry off, on (with and
-without ``shapes``), and inside a
-``torch_kernels.profile`` block for comparison. The modes alternate within each round and the
-overhead is the fastest block of a mode less the fastest block off (load from other processes only
-adds time); the recording wrapper is also timed alone, around a kernel that does nothing. Also checks that the ring holds at most ``max_events`` calls however
+without ``shapes``), and inside a ``torch_kernels.profile`` block for comparison. The modes
+alternate within each round and the overhead is the fastest block of a mode less the fastest block
+off (load from other processes only adds time); the recording wrapper is also timed alone, around
+a kernel that does nothing. Also checks that the ring holds at most ``max_events`` calls however
 many run. Writes ``telemetry{-quick,}.{md,json}`` to ``--out`` (default ``benchmarks/results``).
 """
 
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     for label, call in cases.items():
         results[label] = measure(call, rounds, n)
         print(f"{label}: {results[label]}", flush=True)
-    off_check_ns = min(timeit.repeat("_observer is not None", globals=vars(backends), number=100_000, repeat=5)) / 1e5 * 1e9
+    checks = timeit.repeat("_observer is not None", globals=vars(backends), number=100_000, repeat=5)
+    off_check_ns = min(checks) / 1e5 * 1e9
     held = bounded_ring(1000, 5000, probes[3])
 
     alone = hot_path(rounds, n)

@@ -675,9 +675,10 @@ class Snapshot:
     def chrome_trace(self) -> dict:
         """The calls as Chrome trace events (``chrome://tracing``, Perfetto), one track per device."""
         devices = {name: i for i, name in enumerate(dict.fromkeys(e["device"] for e in self.events))}
-        trace = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}} for name, pid in devices.items()]
-        trace += [{"name": f"torch_kernels::{e['op']}[{e['backend']}]", "ph": "X", "pid": devices[e["device"]], "tid": 0,
-                   "ts": e["start"] * 1e6, "dur": e["seconds"] * 1e6,
+        trace = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+                 for name, pid in devices.items()]
+        trace += [{"name": f"torch_kernels::{e['op']}[{e['backend']}]", "ph": "X", "pid": devices[e["device"]],
+                   "tid": 0, "ts": e["start"] * 1e6, "dur": e["seconds"] * 1e6,
                    "args": {key: e[key] for key in ("shapes", "dtypes", "flops", "bytes")}} for e in self.events]
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
