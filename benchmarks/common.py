@@ -77,8 +77,37 @@ def seconds_per_call(fn, budget_s: float = 0.5, sync=None, case: dict | None = N
             samples.append((time.perf_counter() - start) / calls)
         best = min(best, *samples)
     if recording and case is not None:
-        record_history(case, samples)
+        on_cpu = str(case.get("device") or "cpu").startswith("cpu")
+        record_history(case, samples, control=control_timings() if on_cpu else None)
     return best
+
+
+_control_input = None
+
+
+def control_timings(blocks: int = 5) -> list[float]:
+    """Seconds of each of ``blocks`` runs of a fixed CPU workload (float32 matrix products), timed right
+    after a measurement and recorded beside it: how fast the machine was just then. On a shared
+    machine other processes' load comes and goes; compare divides by it, so that a run made while
+    the machine was busy does not read as a slowdown of the code."""
+    global _control_input
+    import torch
+
+    if _control_input is None:
+        _control_input = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+    a = _control_input
+
+    def work():
+        for _ in range(4):
+            torch.mm(a, a)
+
+    work()
+    timings = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        work()
+        timings.append(time.perf_counter() - start)
+    return timings
 
 
 # ------------------------------------------------------------------------------ the benchmark history
@@ -210,10 +239,12 @@ def git_commit(root: pathlib.Path = ROOT) -> str | None:
 _context: dict | None = None
 
 
-def record_history(case: dict, samples: list[float], path: pathlib.Path | None = None) -> dict:
+def record_history(case: dict, samples: list[float], path: pathlib.Path | None = None,
+                   control: list[float] | None = None) -> dict:
     """Append one measurement to the history (``path``, default :func:`history_path`) as a JSON line:
     the run, time, commit, script, case (its name and fields), device, library and environment versions,
-    and ``seconds``, every timed block's seconds per call. Returns the line's dict."""
+    ``seconds``, every timed block's seconds per call, and ``control``, :func:`control_timings` taken
+    just after (CPU cases). Returns the line's dict."""
     global _context
     if _context is None:
         try:
@@ -227,7 +258,8 @@ def record_history(case: dict, samples: list[float], path: pathlib.Path | None =
     line = {"run": _RUN, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _context["commit"],
             "script": _script(), **{key: case.get(key) for key in ("case", "op", "backend", "shape", "dtype")},
             "device": device, "library": _context["library"], "versions": _context["versions"],
-            "seconds": [float(s) for s in samples]}
+            "seconds": [float(s) for s in samples],
+            "control": None if control is None else [float(c) for c in control]}
     line["case"] = line["case"] or case_name(case)
     if path is None:
         setting = os.environ.get(HISTORY_ENV, "").strip()

@@ -5,13 +5,17 @@
     python -m torch_kernels bench false-alarms [--history FILE]   # runs of one commit against each other
 
 The history is what the benchmark scripts append with ``--history`` (``common.record_history``): one
-JSON line per measurement, holding every timed block's seconds per call. Lines are compared only
-with lines of the same script, case, device and torch/triton/jax/Python versions.
+JSON line per measurement, holding every timed block's seconds per call and, for CPU cases, the
+timings of a fixed control workload run just after (``common.control_timings``). Lines are compared
+only with lines of the same script, case, device and torch/triton/jax/Python versions.
 
 ``compare`` takes, for every case, its newest line and a base: the lines of commit ``REV``, the
 newest commit's lines of another history ``FILE``, or by default the lines of the latest earlier
 commit (the earlier runs of the same commit if there is none), all of them pooled, so that the
-base's spread includes how much runs differ from each other. A case is slower when all three hold:
+base's spread includes how much runs differ from each other. Where every line has control timings,
+each line's timings are divided by its control's median first, so that a machine busier during one
+run than another (other processes' load, which comes and goes) does not read as a change of the
+code; the table shows that machine change. A case is slower when all three hold:
 a one-sided Mann-Whitney U test over the two sets of timings gives p < ``--alpha`` (no assumption
 about the shape of the noise, which on a shared machine is anything but normal), the change of the
 median exceeds ``--threshold``, and it exceeds the measured noise (the larger side's 95% band,
@@ -189,15 +193,32 @@ def compare_case(new: list[float], base: list[float], threshold: float, alpha: f
             "p_slower": p_slower, "p_faster": p_faster, "verdict": verdict, "new_n": len(new), "base_n": len(base)}
 
 
+def scaled(new: dict, base_lines: list[dict]) -> tuple[list[float], list[float], float | None]:
+    """The timings to test: each line's divided by the median of its own control timings (the machine's
+    speed just then) when every line has them, else as measured; and the machine's change between
+    them (new control over base control, less 1), None without controls."""
+    lines = [new, *base_lines]
+    if not all(line.get("control") for line in lines):
+        return list(new["seconds"]), [s for line in base_lines for s in line["seconds"]], None
+    speed = {id(line): statistics.median(line["control"]) for line in lines}
+    machine = speed[id(new)] / statistics.median(speed[id(line)] for line in base_lines) - 1
+    return ([s / speed[id(new)] for s in new["seconds"]],
+            [s / speed[id(line)] for line in base_lines for s in line["seconds"]], machine)
+
+
 def compare(lines: list[dict], base: str | None = None, threshold: float = 0.1, alpha: float = 0.01,
             repo: pathlib.Path = ROOT) -> list[dict]:
-    """Every case with a base, compared (:func:`compare_case`), with its script, case, device and commits."""
+    """Every case with a base, compared (:func:`compare_case` on :func:`scaled` timings), with its script,
+    case, device, commits, the measured medians in seconds and the machine's own change (``machine``)."""
     rows = []
     for new, base_lines in pairs(lines, base, repo):
-        pooled = [s for line in base_lines for s in line["seconds"]]
+        new_scaled, base_scaled, machine = scaled(new, base_lines)
+        row = compare_case(new_scaled, base_scaled, threshold, alpha)
+        row["new_median"] = statistics.median(new["seconds"])
+        row["base_median"] = statistics.median(s for line in base_lines for s in line["seconds"])
         rows.append({"script": new.get("script"), "case": new.get("case"), "device": new.get("device"),
                      "new_commit": _commit(new), "base_commits": sorted({_commit(b) for b in base_lines}),
-                     "base_runs": len(base_lines), **compare_case(new["seconds"], pooled, threshold, alpha)})
+                     "base_runs": len(base_lines), "machine": machine, **row})
     order = {SLOWER: 0, FASTER: 1, TOO_FEW: 2, SAME: 3}
     rows.sort(key=lambda r: (order[r["verdict"]], -abs(r["change"])))
     return rows
@@ -212,8 +233,10 @@ def _seconds(value: float) -> str:
 
 def table(rows: list[dict]) -> str:
     """The comparison as a Markdown table, slower cases first."""
-    header = ["verdict", "script", "case", "base", "new", "change", "noise", "p (slower)", "timings new/base"]
+    header = ["verdict", "script", "case", "base", "new", "machine", "change", "noise", "p (slower)",
+              "timings new/base"]
     body = [[r["verdict"], r["script"], f"`{r['case']}`", _seconds(r["base_median"]), _seconds(r["new_median"]),
+             "-" if r["machine"] is None else f"{r['machine'] * 100:+.0f}%",
              f"{r['change'] * 100:+.1f}%", f"±{r['noise'] * 100:.1f}%", f"{r['p_slower']:.2g}",
              f"{r['new_n']}/{r['base_n']} ({r['base_runs']} run{'s' if r['base_runs'] > 1 else ''})"] for r in rows]
     return markdown_table(header, body)
@@ -261,14 +284,17 @@ def main_compare(args) -> int:
     if not pathlib.Path(path).is_file():
         print(f"compare: no history at {path} (run a benchmark with --history first)", file=sys.stderr)
         return 2
-    rows = compare(load(path), args.base, args.threshold / 100, args.alpha)
+    lines = load(path)
+    rows = compare(lines, args.base, args.threshold / 100, args.alpha)
+    unmatched = len({key(line) for line in lines}) - len(rows)
     if not rows:
         print(f"compare: no case in {path} has a base to compare with", file=sys.stderr)
         return 2
     print(table(rows))
     slower = [r for r in rows if r["verdict"] == SLOWER]
     print(f"\n{len(slower)} slower, {sum(r['verdict'] == FASTER for r in rows)} faster, {len(rows)} compared "
-          f"(threshold {args.threshold:g}%, alpha {args.alpha:g})")
+          f"(threshold {args.threshold:g}%, alpha {args.alpha:g})"
+          + (f"; {unmatched} without a base (new cases, or no line of the same device and versions)" if unmatched else ""))
     if args.png and plot(rows, args.png):
         print(f"chart: {args.png}")
     if args.json:
@@ -290,10 +316,10 @@ def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01)
             bases = {"previous run": [by_run[runs[i - 1]].get(k)],
                      "earlier runs": [by_run[r].get(k) for r in runs[:i]]}
             for mode, chosen in bases.items():
-                pooled = [s for line in chosen if line is not None for s in line["seconds"]]
-                if not pooled:
+                chosen = [line for line in chosen if line is not None]
+                if not chosen:
                     continue
-                verdict = compare_case(new["seconds"], pooled, threshold, alpha)["verdict"]
+                verdict = compare_case(*scaled(new, chosen)[:2], threshold, alpha)["verdict"]
                 counts[mode]["compared"] += verdict != TOO_FEW
                 if verdict != SAME:
                     counts[mode][verdict] += 1

@@ -44,6 +44,7 @@ def test_a_measurement_appends_one_line_with_every_timing(tmp_path, monkeypatch)
     common.seconds_per_call(lambda: x @ whitener, 0.01, case={"op": "matmul", "backend": "torch",
                                                                 "shape": "6x4,4x4", "dtype": "float32"})
     lines = history.load(path)
+    assert len(lines[0]["control"]) == 5 and all(c > 0 for c in lines[0]["control"])  # the machine's speed then
     assert [line["case"] for line in lines] == ["mahalanobis_score/reference/6x4,2x4,4x4/float32",
                                                 "mahalanobis_score/reference/6x4,2x4,4x4/float32#2",
                                                 "matmul/torch/6x4,4x4/float32"]
@@ -148,6 +149,24 @@ def test_compare_finds_an_injected_slowdown_and_nothing_else(tmp_path, capsys):
                                                                        timings(gen, 1.05e-5))])
     assert history.main(["compare", "--history", str(unchanged), "--png", str(tmp_path / "s.png")]) == 0
     assert history.main(["compare", "--history", str(path), "--threshold", "50", "--png", str(png)]) == 0
+
+
+def test_the_control_timings_tell_a_busy_machine_from_slower_code():
+    gen = random.Random(12)
+    quiet = lambda scale, n=8: [scale * (1 + gen.random() * 0.01) for _ in range(n)]  # noqa: E731
+
+    def line(commit, run, scale, machine):
+        return {**fake_line(commit, run, "op/ref/8/float32", quiet(scale * machine)), "control": quiet(machine, 5)}
+
+    base = [line("a" * 40, f"r{i}", 1e-3, 1.0) for i in range(2)]
+    busy = history.compare(base + [line("b" * 40, "r9", 1e-3, 1.8)])[0]  # everything 1.8x slower: the machine
+    assert busy["verdict"] == history.SAME and busy["machine"] == pytest.approx(0.8, abs=0.03)
+    assert busy["new_median"] == pytest.approx(1.8e-3, rel=0.02) and abs(busy["change"]) < 0.03
+    slower = history.compare(base + [line("b" * 40, "r9", 1.5e-3, 1.0)])[0]  # the code 1.5x slower
+    assert slower["verdict"] == history.SLOWER and slower["change"] == pytest.approx(0.5, abs=0.03)
+    # without controls on every line, the raw timings: the busy machine reads as slower code
+    raw = history.compare([*base, {**line("b" * 40, "r9", 1e-3, 1.8), "control": None}])[0]
+    assert raw["verdict"] == history.SLOWER and raw["machine"] is None
 
 
 def test_compare_against_a_commit_or_another_file(tmp_path):
