@@ -88,8 +88,8 @@ _control_input = None
 def control_timings(blocks: int = 5) -> list[float]:
     """Seconds of each of ``blocks`` runs of a fixed CPU workload (float32 matrix products), timed right
     after a measurement and recorded beside it: how fast the machine was just then. On a shared
-    machine other processes' load comes and goes; compare divides by it, so that a run made while
-    the machine was busy does not read as a slowdown of the code."""
+    machine other processes' load comes and goes; compare shows the control's change between runs,
+    and ``--control`` divides by it."""
     global _control_input
     import torch
 

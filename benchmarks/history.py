@@ -12,10 +12,12 @@ only with lines of the same script, case, device and torch/triton/jax/Python ver
 ``compare`` takes, for every case, its newest line and a base: the lines of commit ``REV``, the
 newest commit's lines of another history ``FILE``, or by default the lines of the latest earlier
 commit (the earlier runs of the same commit if there is none), all of them pooled, so that the
-base's spread includes how much runs differ from each other. Where every line has control timings,
-each line's timings are divided by its control's median first, so that a machine busier during one
-run than another (other processes' load, which comes and goes) does not read as a change of the
-code; the table shows that machine change. A case is slower when all three hold:
+base's spread includes how much runs differ from each other. The table shows how much the control
+workload's time changed between the runs ("machine"); ``--control`` divides each line's timings by
+its control's median first, so that a machine busier during one run than another would not read as
+a change of the code. It is not the default: on the shared 2-core machine this was built on, the
+control's short matrix products did not follow the load the benchmarks saw (a run with both cores
+kept busy by other processes was 3-8x slower; the control 2-10%). A case is slower when all three hold:
 a one-sided Mann-Whitney U test over the two sets of timings gives p < ``--alpha`` (no assumption
 about the shape of the noise, which on a shared machine is anything but normal), the change of the
 median exceeds ``--threshold``, and it exceeds the measured noise (the larger side's 95% band,
@@ -193,26 +195,29 @@ def compare_case(new: list[float], base: list[float], threshold: float, alpha: f
             "p_slower": p_slower, "p_faster": p_faster, "verdict": verdict, "new_n": len(new), "base_n": len(base)}
 
 
-def scaled(new: dict, base_lines: list[dict]) -> tuple[list[float], list[float], float | None]:
-    """The timings to test: each line's divided by the median of its own control timings (the machine's
-    speed just then) when every line has them, else as measured; and the machine's change between
-    them (new control over base control, less 1), None without controls."""
+def scaled(new: dict, base_lines: list[dict],
+           control: bool = False) -> tuple[list[float], list[float], float | None]:
+    """The timings to test, and the machine's change between the runs (the new line's control median
+    over the base lines', less 1; None unless every line has control timings). ``control``: each
+    line's timings divided by its own control median (the machine's speed just then), else as measured."""
     lines = [new, *base_lines]
     if not all(line.get("control") for line in lines):
         return list(new["seconds"]), [s for line in base_lines for s in line["seconds"]], None
     speed = {id(line): statistics.median(line["control"]) for line in lines}
     machine = speed[id(new)] / statistics.median(speed[id(line)] for line in base_lines) - 1
+    if not control:
+        return list(new["seconds"]), [s for line in base_lines for s in line["seconds"]], machine
     return ([s / speed[id(new)] for s in new["seconds"]],
             [s / speed[id(line)] for line in base_lines for s in line["seconds"]], machine)
 
 
 def compare(lines: list[dict], base: str | None = None, threshold: float = 0.1, alpha: float = 0.01,
-            repo: pathlib.Path = ROOT) -> list[dict]:
+            repo: pathlib.Path = ROOT, control: bool = False) -> list[dict]:
     """Every case with a base, compared (:func:`compare_case` on :func:`scaled` timings), with its script,
     case, device, commits, the measured medians in seconds and the machine's own change (``machine``)."""
     rows = []
     for new, base_lines in pairs(lines, base, repo):
-        new_scaled, base_scaled, machine = scaled(new, base_lines)
+        new_scaled, base_scaled, machine = scaled(new, base_lines, control)
         row = compare_case(new_scaled, base_scaled, threshold, alpha)
         row["new_median"] = statistics.median(new["seconds"])
         row["base_median"] = statistics.median(s for line in base_lines for s in line["seconds"])
@@ -285,7 +290,7 @@ def main_compare(args) -> int:
         print(f"compare: no history at {path} (run a benchmark with --history first)", file=sys.stderr)
         return 2
     lines = load(path)
-    rows = compare(lines, args.base, args.threshold / 100, args.alpha)
+    rows = compare(lines, args.base, args.threshold / 100, args.alpha, control=args.control)
     unmatched = len({key(line) for line in lines}) - len(rows)
     if not rows:
         print(f"compare: no case in {path} has a base to compare with", file=sys.stderr)
@@ -302,7 +307,7 @@ def main_compare(args) -> int:
     return 1 if slower else 0
 
 
-def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01) -> dict:
+def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01, control: bool = False) -> dict:
     """How often the test flags runs of one unchanged commit: every run of the history's newest commit
     after its first, compared case by case with the run just before it and with all earlier runs pooled.
     Returns the counts of comparisons, slower and faster flags (and too-few-timings rows) for each."""
@@ -319,7 +324,7 @@ def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01)
                 chosen = [line for line in chosen if line is not None]
                 if not chosen:
                     continue
-                verdict = compare_case(*scaled(new, chosen)[:2], threshold, alpha)["verdict"]
+                verdict = compare_case(*scaled(new, chosen, control)[:2], threshold, alpha)["verdict"]
                 counts[mode]["compared"] += verdict != TOO_FEW
                 if verdict != SAME:
                     counts[mode][verdict] += 1
@@ -328,7 +333,7 @@ def false_alarms(lines: list[dict], threshold: float = 0.1, alpha: float = 0.01)
 
 def main_false_alarms(args) -> int:
     path = args.history or default_history()
-    found = false_alarms(load(path), args.threshold / 100, args.alpha)
+    found = false_alarms(load(path), args.threshold / 100, args.alpha, args.control)
     print(f"{found['runs']} runs of {found['commit'][:12]} in {path} "
           f"(threshold {args.threshold:g}%, alpha {args.alpha:g})")
     for mode, c in found["counts"].items():
@@ -477,6 +482,7 @@ def main(argv=None) -> int:
     cmp.add_argument("--threshold", type=float, default=10.0, help="percent a median must change by (default 10)")
     cmp.add_argument("--alpha", type=float, default=0.01, help="the test's significance level (default 0.01)")
     cmp.add_argument("--history", type=pathlib.Path, default=None, help="history file (default: this device's)")
+    cmp.add_argument("--control", action="store_true", help="divide each line's timings by its control timings' median")
     cmp.add_argument("--png", type=pathlib.Path, default=RESULTS / "bench-compare.png", help="chart to write")
     cmp.add_argument("--json", type=pathlib.Path, default=None, help="write the rows as JSON too")
     bis = sub.add_parser("bisect", help="the first commit between GOOD and BAD where a case got slow")
@@ -497,6 +503,7 @@ def main(argv=None) -> int:
     fa.add_argument("--history", type=pathlib.Path, default=None, help="history file (default: this device's)")
     fa.add_argument("--threshold", type=float, default=10.0, help="percent, as for compare (default 10)")
     fa.add_argument("--alpha", type=float, default=0.01, help="as for compare (default 0.01)")
+    fa.add_argument("--control", action="store_true", help="as for compare")
     step = sub.add_parser("bisect-step", help=argparse.SUPPRESS)
     step.add_argument("--case", required=True)
     step.add_argument("--cut", type=float, required=True)
