@@ -263,3 +263,74 @@ def test_inference_only_and_cost():
     # 2 * H * (2 Lr + R) flops per attended pair; sequences (1 query, 6 keys) and (3, 5): 6 + 3 + 4 + 5
     assert ops.attended_pairs([1, 3], [6, 5]) == 18
     assert ops.attended_pairs([1, 3], [6, 5], top_k=4) == 4 + 3 + 4 + 4
+
+
+# ---- the indexer ----
+
+def _indexer_batch(seed=6, heads=3, dim=8):
+    """A mixed batch's indexer queries, weights and keys (rows in sequence order, written to their
+    slots of a paged cache)."""
+    batch = Batch(**MIXED, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(sum(batch.kv_lens), dim, generator=gen)
+    k_cache = torch.full((batch.cache.shape[0], BLOCK, dim), float("nan"))
+    k_cache[batch.slots // BLOCK, batch.slots % BLOCK] = keys
+    q = torch.randn(sum(batch.q_lens), heads, dim, generator=gen)
+    weights = torch.randn(sum(batch.q_lens), heads, generator=gen)
+    return batch, keys, k_cache, q, weights
+
+
+def _best_positions(batch, keys, q, weights, top_k):
+    """Each query's visible positions ranked by ``sum_h w_h relu(q_h . k_s)`` (float64), best first,
+    lower position first among equals, -1 padded: loops."""
+    rows, token, row = [], 0, 0
+    for q_len, kv_len in zip(batch.q_lens, batch.kv_lens):
+        for i in range(q_len):
+            t = token + i
+            scores = [(-sum(float(weights[t, h]) * max(float(q[t, h].double() @ keys[row + s].double()), 0.0)
+                            for h in range(q.shape[1])), s) for s in range(kv_len - q_len + i + 1)]
+            ranked = [s for _, s in sorted(scores)][:top_k]
+            rows.append(ranked + [-1] * (top_k - len(ranked)))
+        token, row = token + q_len, row + kv_len
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _index(batch, k_cache, q, weights, top_k):
+    return torch_kernels.indexer_topk(q, k_cache, weights, batch.cu_q_lens, batch.kv_len_tensor, batch.block_table,
+                                      top_k)
+
+
+@pytest.mark.parametrize("top_k", [1, 7, 40])
+def test_indexer_topk_ranks_the_visible_positions(top_k):
+    batch, keys, k_cache, q, weights = _indexer_batch()
+    got = _index(batch, k_cache, q, weights, top_k)  # 40: more than any query sees, -1 padded
+    assert got.dtype == torch.int32 and torch.equal(got, _best_positions(batch, keys, q, weights, top_k))
+
+
+def test_indexer_topk_breaks_ties_by_position_and_ranks_nan_last():
+    batch, keys, k_cache, q, weights = _indexer_batch(seed=7)
+    tied = _index(batch, k_cache, q, torch.zeros_like(weights), 4)  # every score 0
+    expected = _best_positions(batch, keys, q, torch.zeros_like(weights), 4)
+    assert torch.equal(tied, expected) and tied[0].tolist() == [0, 1, 2, 3]
+    k_cache[batch.block_table[0, 0], 2] = float("nan")  # position 2 of the first sequence
+    got = _index(batch, k_cache, q, weights.abs(), 60)
+    first = got[0][got[0] >= 0]
+    assert first[-1] == 2 and sorted(first.tolist()) == list(range(batch.kv_lens[0]))
+
+
+def test_indexer_selection_feeds_sparse_attention():
+    batch, keys, k_cache, q, weights = _indexer_batch(seed=8)
+    torch_kernels.mla_reshape_and_cache(batch.c, batch.k_pe, batch.cache, batch.slots)
+    topk = _index(batch, k_cache, q, weights, 6)
+    chosen = [set(row) - {-1} for row in topk.tolist()]
+    out, _ = batch.attend("reference", topk=topk)
+    expected, _ = batch.truth(chosen)
+    assert_close(torch.einsum("thl,hlv->thv", out.double(), batch.w_uv.double()), expected, torch.float32)
+
+
+def test_indexer_opcheck_and_compile():
+    batch, _, k_cache, q, weights = _indexer_batch()
+    args = (q, k_cache, weights, batch.cu_q_lens, batch.kv_len_tensor, batch.block_table, 5)
+    run_opcheck(ops.indexer_topk_op, (*args, None))
+    compiled = compiled_fullgraph(lambda *a: torch_kernels.indexer_topk(*a, 5))
+    assert torch.equal(compiled(*args[:-1]), torch_kernels.indexer_topk(*args))

@@ -37,6 +37,22 @@ def _write_batch() -> dict:
                 kv_cache=torch.randn(6, 16, 48, generator=gen), slot_mapping=torch.tensor([51, 52, -1, 17, 95]))
 
 
+def _indexer_batch() -> dict:
+    """The attention batch's lengths and pages; Hi = 3 indexer heads of Di = 8, top_k 4."""
+    gen = torch.Generator().manual_seed(0)
+    kw = {name: t for name, t in _batch().items() if name in ("cu_q_lens", "kv_lens", "block_table")}
+    return dict(q=torch.randn(5, 3, 8, generator=gen), k_cache=torch.randn(6, 16, 8, generator=gen),
+                weights=torch.rand(5, 3, generator=gen), **kw, top_k=4)
+
+
+def _indexer(change) -> Callable[[str], object]:
+    def call(backend):
+        kw = _indexer_batch()
+        change(kw)
+        return torch_kernels.indexer_topk(**kw, implementation=backend)
+    return call
+
+
 def _attention(change) -> Callable[[str], object]:
     def call(backend):
         kw = _batch()
@@ -115,7 +131,23 @@ WRITE = [
     ("kv_cache a list", "kv_cache", TypeError, map_arg("kv_cache", lambda t: t.tolist())),
 ]
 
-BAD_INPUTS = {"mla": [Row(f"ragged_paged_mla: {c}", a, e, _attention(ch), "ragged_paged_mla")
+INDEXER = [
+    ("q 2-D", "q", ValueError, map_arg("q", lambda t: t[0])),
+    ("q int", "q", TypeError, map_arg("q", lambda t: t.int())),
+    ("k_cache head size", "k_cache", ValueError, map_arg("k_cache", lambda t: t[..., :4])),
+    ("k_cache dtype", "k_cache", TypeError, map_arg("k_cache", lambda t: t.half())),
+    ("k_cache strided last dimension", "k_cache", ValueError, map_arg("k_cache", _strided)),
+    ("weights shape", "weights", ValueError, map_arg("weights", lambda t: t[:, :2])),
+    ("weights int", "weights", TypeError, map_arg("weights", lambda t: t.int())),
+    ("cu_q_lens not starting at 0", "cu_q_lens", ValueError, set_at("cu_q_lens", 0, 1)),
+    ("kv_lens length", "cu_q_lens", ValueError, map_arg("kv_lens", lambda t: t[:2])),
+    ("block_table page out of range", "block_table", ValueError, set_at("block_table", 0, torch.tensor([6, 0, 0]))),
+    ("top_k zero", "top_k", ValueError, set_arg("top_k", 0)),
+    ("top_k a float", "top_k", TypeError, set_arg("top_k", 4.0)),
+    ("weights on meta", "weights", ValueError, map_arg("weights", lambda t: t.to("meta"))),
+]
+
+BAD_INPUTS = {"mla": [Row(f"indexer_topk: {c}", a, e, _indexer(ch), "indexer_topk") for c, a, e, ch in INDEXER] + [Row(f"ragged_paged_mla: {c}", a, e, _attention(ch), "ragged_paged_mla")
                       for c, a, e, ch in ATTENTION]
               + [Row(f"mla_reshape_and_cache: {c}", a, e, _write(ch), "mla_reshape_and_cache")
                  for c, a, e, ch in WRITE]}

@@ -20,15 +20,17 @@ from ..families import Case
 from ..reference import mla as reference
 from . import paged_attention as paged
 
-__all__ = ["mla_reshape_and_cache", "ragged_paged_mla"]
+__all__ = ["mla_reshape_and_cache", "ragged_paged_mla", "indexer_topk"]
 
 WRITE_OP = "mla_reshape_and_cache"
 OP = "ragged_paged_mla"
+INDEXER_OP = "indexer_topk"
 
 backends.register(WRITE_OP, "reference", reference.mla_reshape_and_cache)
 backends.register(WRITE_OP, "triton", "triton_impl.mla:mla_reshape_and_cache")
 backends.register(OP, "reference", reference.ragged_paged_mla)
 backends.register(OP, "triton", "triton_impl.mla:ragged_paged_mla")
+backends.register(INDEXER_OP, "reference", reference.indexer_topk)
 
 CACHE_DTYPES = paged.reference.QUANTIZED_DTYPES  # besides the inputs' own dtype
 
@@ -169,6 +171,50 @@ ragged_paged_mla_op = define(
 )
 
 
+def check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k) -> None:
+    """Shapes, dtypes, devices and scalars of an ``indexer_topk`` call (no data read)."""
+    _checks.tensor("q", q, ndim=3, dtypes=paged.QUERY_DTYPES)
+    _checks.tensor("k_cache", k_cache, ndim=3, dtypes=(q.dtype,))
+    _checks.size("k_cache", 2, k_cache.shape[2], q.shape[2], "head size Di of q")
+    if min(k_cache.shape) == 0 or (k_cache.stride(-1) != 1 and k_cache.shape[-1] > 1):
+        raise ValueError(f"k_cache: expected no empty dimension and a stride-1 last dimension, got shape "
+                         f"{tuple(k_cache.shape)} and strides {k_cache.stride()}")
+    _checks.tensor("weights", weights, ndim=2, dtypes=tuple(dict.fromkeys((q.dtype, torch.float32))))
+    if tuple(weights.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"weights: expected shape {tuple(q.shape[:2])} (tokens and heads of q), got {tuple(weights.shape)}")
+    _checks.tensor("cu_q_lens", cu_q_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("kv_lens", kv_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("block_table", block_table, ndim=2, dtypes=(paged.INDEX_DTYPE,))
+    _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], kv_lens.shape[0] + 1, "sequences S of kv_lens, plus one")
+    _checks.size("block_table", 0, block_table.shape[0], kv_lens.shape[0], "sequences S of kv_lens")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    if top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k}")
+    _checks.same_device(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table)
+
+
+def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
+    check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
+    paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table)
+    return backends.dispatch(INDEXER_OP, _device_type(q), implementation, q.contiguous(), k_cache, weights.contiguous(),
+                             cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), top_k)
+
+
+def _indexer_fake(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
+    check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
+    return q.new_empty((q.shape[0], top_k), dtype=torch.int32)
+
+
+indexer_topk_op = define(
+    "indexer_topk(Tensor q, Tensor k_cache, Tensor weights, Tensor cu_q_lens, Tensor kv_lens, Tensor block_table, "
+    "int top_k, str? implementation=None) -> Tensor",
+    _indexer_kernel,
+    _indexer_fake,
+)
+
+
 def attended_pairs(q_lens: Sequence[int], kv_lens: Sequence[int], top_k: int | None = None) -> int:
     """How many (query, position) pairs a batch attends over at most (causal; at most ``top_k``
     per query when sparse)."""
@@ -215,6 +261,10 @@ def _write_bytes(a, out) -> int:
 
 register_cost(ragged_paged_mla_op, flops=_attention_flops, bytes=_attention_bytes)
 register_cost(mla_reshape_and_cache_op, flops=lambda a, out: 0, bytes=_write_bytes)  # a copy
+register_cost(indexer_topk_op,  # the scores: 2 * Hi * Di per visible pair, plus the weighting
+              flops=lambda a, out: (2 * a.q.shape[2] + 2) * a.q.shape[1] * attended_pairs(*_lengths(a)),
+              bytes=lambda a, out: (sum(_lengths(a)[1]) * a.k_cache.shape[2] * a.k_cache.element_size()
+                                    + tensor_bytes(a.q, a.weights, out)))
 
 
 def mla_reshape_and_cache(
@@ -301,6 +351,45 @@ def ragged_paged_mla(
     return (out, lse) if return_lse else out
 
 
+def indexer_topk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    weights: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    top_k: int,
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer fused with its top-k: which positions each query's sparse
+    attention reads (``topk_indices`` of :func:`ragged_paged_mla`).
+
+    The score of query ``t`` for position ``s`` of its sequence is
+    ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32, over the positions it sees causally
+    (as :func:`ragged_paged_mla` defines them). Each row lists the ``top_k`` best, highest score
+    first, equal scores lower position first (deterministic on every backend), then -1 where the
+    query sees fewer than ``top_k`` positions. NaN scores rank as -inf.
+
+    Args:
+        q: ``[T, Hi, Di]``, float16, bfloat16 or float32 (the indexer's queries).
+        k_cache: ``[num_blocks, block_size, Di]`` of q's dtype, the indexer's keys in pages addressed as
+            the latent cache is (one row per token; a stride-1 last dimension).
+        weights: ``[T, Hi]``, q's dtype or float32 (the per-head weights, softmax scale folded in).
+        cu_q_lens, kv_lens, block_table: the batch, as for :func:`ragged_paged_mla`.
+        top_k: how many positions per query (2048 in DeepSeek-V3.2).
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+
+    Returns:
+        int32 ``[T, top_k]``. Inference only.
+    """
+    paged.check_tensors(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table)
+    if not isinstance(top_k, int) or isinstance(top_k, bool):  # before the dispatcher parses it less clearly
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    return indexer_topk_op(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k,
+                           backends.implementation_arg(implementation))
+
+
 # ---- self-test cases ----
 
 def mla_inputs(gen, dtype, device, q_lens=(1, 5, 1, 9), contexts=(30, 0, 45, 7), heads=4, latent=32, rope=16,
@@ -322,6 +411,36 @@ def mla_write_inputs(gen, dtype, device, tokens=23, latent=32, rope=16, block_si
     return kv_c.to(device, dtype), k_pe.to(device, dtype), cache.to(device, dtype), slots.to(device)
 
 
+def indexer_inputs(gen, dtype, device, q_lens=(1, 5, 1, 9), contexts=(30, 0, 45, 7), heads=4, head_size=32,
+                   block_size=16, top_k=12):
+    """A ragged batch of indexer queries, a paged key cache, positive per-head weights, ``top_k``."""
+    q, k_cache, _, cu_q_lens, kv_lens, block_table, _ = paged.paged_attention_inputs(
+        gen, dtype, device, q_lens, contexts, heads=(heads, 1), head_size=head_size, block_size=block_size)
+    weights = torch.rand(q.shape[0], heads, generator=gen).to(device)
+    return q, k_cache[:, :, 0], weights, cu_q_lens, kv_lens, block_table, top_k
+
+
+def _indexer_definition(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k):
+    """A loop over queries and positions in float64: scores, then best first, lower position first."""
+    out = torch.full((q.shape[0], top_k), -1, dtype=torch.int32)
+    block_size = k_cache.shape[1]
+    for s in range(len(kv_lens)):
+        start, end, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        for t in range(start, end):
+            scored = []
+            for pos in range(kv_len - (end - start) + (t - start) + 1):
+                key = k_cache[int(block_table[s, pos // block_size]), pos % block_size].double()
+                score = sum(float(weights[t, h]) * max(float(q[t, h].double() @ key), 0.0) for h in range(q.shape[1]))
+                scored.append((-score, pos))
+            for column, (_, pos) in enumerate(sorted(scored)[:top_k]):
+                out[t, column] = pos
+    return out.float()
+
+
+def _indexer_run(*inputs, implementation=None):
+    return indexer_topk(*inputs, implementation=implementation).float()
+
+
 def _attention_definition(*inputs):
     return reference.ragged_paged_mla(*inputs, None, torch.ones(1, device=inputs[0].device))[0].float()
 
@@ -341,6 +460,8 @@ def _write_definition(kv_c, k_pe, kv_cache, slot_mapping):
 
 
 def selftest_cases() -> list[Case]:
-    """The doctor's checks: attention against the reference, the write against a loop over slots."""
+    """The doctor's checks: attention against the reference, the write against a loop over slots,
+    the indexer against a loop over queries and positions (equal indices: error 0)."""
     return [Case(OP, mla_inputs, ragged_paged_mla, _attention_definition),
-            Case(WRITE_OP, mla_write_inputs, _written, _write_definition)]
+            Case(WRITE_OP, mla_write_inputs, _written, _write_definition),
+            Case(INDEXER_OP, indexer_inputs, _indexer_run, _indexer_definition)]

@@ -85,3 +85,25 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
         out[start:end] = rows_out
         lse[start:end] = (total.log() + top[..., 0]).T  # log 0 = -inf for empty rows
     return out.to(q_nope.dtype), lse
+
+
+def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer fused with the selection: for each query, the ``top_k``
+    visible positions of highest ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` (float32), best
+    first, equal scores lower position first, NaN scores as -inf; -1 past the visible count."""
+    out = torch.full((q.shape[0], top_k), -1, dtype=torch.int32, device=q.device)
+    cu, lens = cu_q_lens.tolist(), kv_lens.tolist()
+    for s, kv_len in enumerate(lens):
+        start, end = cu[s], cu[s + 1]
+        if start == end:
+            continue
+        keys = sequence_rows(k_cache, block_table, s, kv_len, 1.0)
+        scores = torch.einsum("qhd,kd->qhk", q[start:end].float(), keys).relu()
+        scores = torch.einsum("qhk,qh->qk", scores, weights[start:end].float()).nan_to_num(nan=float("-inf"))
+        seen = visible(end - start, kv_len).to(scores.device)
+        # a stable sort keeps equal scores in position order; unseen positions follow every seen one
+        # of equal score because they come later in the row, and are then replaced by -1
+        order = scores.masked_fill(~seen, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+        chosen = torch.where(seen.gather(1, order), order, -1)
+        out[start:end, : chosen.shape[1]] = chosen.to(torch.int32)
+    return out
