@@ -31,12 +31,13 @@ def uncompressed_mla(q_nope, q_pe, c, k_pe, w_uk, w_uv, q_lens, kv_lens, scale, 
     kv_lens[s]`` of ``c`` and ``k_pe``, query ``i`` sees positions ``<= kv_len - q_len + i``
     (and, given ``chosen``, only those ``chosen[t]`` lists)."""
     q_nope, q_pe, c, k_pe, w_uk, w_uv = (t.double() for t in (q_nope, q_pe, c, k_pe, w_uk, w_uv))
-    out = torch.zeros(q_nope.shape[0], HEADS, w_uv.shape[2], dtype=torch.float64)
-    lse = torch.full((q_nope.shape[0], HEADS), float("-inf"), dtype=torch.float64)
+    heads, rope = q_nope.shape[1], k_pe.shape[1]
+    out = torch.zeros(q_nope.shape[0], heads, w_uv.shape[2], dtype=torch.float64)
+    lse = torch.full((q_nope.shape[0], heads), float("-inf"), dtype=torch.float64)
     token, row = 0, 0
     for q_len, kv_len in zip(q_lens, kv_lens):
         keys = torch.cat([torch.einsum("sl,hld->shd", c[row:row + kv_len], w_uk),
-                          k_pe[row:row + kv_len, None, :].expand(kv_len, HEADS, ROPE)], dim=-1)
+                          k_pe[row:row + kv_len, None, :].expand(kv_len, heads, rope)], dim=-1)
         values = torch.einsum("sl,hlv->shv", c[row:row + kv_len], w_uv)
         for i in range(q_len):
             t = token + i
