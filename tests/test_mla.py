@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_kernels
-from harness import assert_close, backend_params, compiled_fullgraph, run_opcheck
+from harness import assert_close, backend_params, compiled_fullgraph, require_backend, run_isolated, run_opcheck
 from torch_kernels.ops import mla as ops
 from torch_kernels.selftest import TOLERANCES
 
@@ -335,3 +335,30 @@ def test_indexer_opcheck_and_compile():
     run_opcheck(ops.indexer_topk_op, (*args, None))
     compiled = compiled_fullgraph(lambda *a: torch_kernels.indexer_topk(*a, 5))
     assert torch.equal(compiled(*args[:-1]), torch_kernels.indexer_topk(*args))
+
+
+# In a process of its own (torchax registers a device for the whole process).
+TORCHAX_WRITE = """
+import torch, torch_kernels
+from torch_kernels.ops import mla
+kv_c, k_pe, cache, slots = mla.mla_write_inputs(torch.Generator().manual_seed(0), torch.float32, "cpu")
+int8 = cache.to(torch.int8)  # torchax does not carry float8 arrays back to torch
+want, want_int8 = cache.clone(), int8.clone()
+torch_kernels.mla_reshape_and_cache(kv_c, k_pe, want, slots, implementation="reference")
+torch_kernels.mla_reshape_and_cache(kv_c, k_pe, want_int8, slots, torch.tensor([0.05]), implementation="reference")
+env = torch_kernels.torchax_environment()
+with env:
+    for impl in ("pallas", "reference"):
+        c, pe, s = kv_c.to("jax"), k_pe.to("jax"), slots.to("jax")
+        got, got_int8 = cache.to("jax"), int8.to("jax")
+        torch_kernels.mla_reshape_and_cache(c, pe, got, s, implementation=impl)
+        torch_kernels.mla_reshape_and_cache(c, pe, got_int8, s, torch.tensor([0.05]).to("jax"), implementation=impl)
+        assert torch.equal(got.to("cpu"), want), impl
+        assert torch.equal(got_int8.to("cpu"), want_int8), impl
+print("torchax ok")
+"""
+
+
+def test_torchax_tensors_write_the_latent_cache():
+    require_backend("pallas")
+    assert "torchax ok" in run_isolated(TORCHAX_WRITE)

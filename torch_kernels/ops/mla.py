@@ -28,6 +28,8 @@ INDEXER_OP = "indexer_topk"
 
 backends.register(WRITE_OP, "reference", reference.mla_reshape_and_cache)
 backends.register(WRITE_OP, "triton", "triton_impl.mla:mla_reshape_and_cache")
+backends.register(WRITE_OP, "pallas", "torch_kernels.pallas.mla:pallas_mla_reshape_and_cache")
+backends.register(WRITE_OP, "sycl", "oneapi_impl.mla:mla_reshape_and_cache")
 backends.register(OP, "reference", reference.ragged_paged_mla)
 backends.register(OP, "triton", "triton_impl.mla:ragged_paged_mla")
 backends.register(INDEXER_OP, "reference", reference.indexer_topk)
