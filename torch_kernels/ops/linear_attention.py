@@ -362,6 +362,12 @@ def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_fin
     return o, (final_state if output_final_state else None)
 
 
+# transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``
+# routes a model's calls of them here): fla's names, argument names and layouts
+TRANSFORMERS_HUB_FUNCTIONS = {"chunk_gated_delta_rule": chunk_gated_delta_rule,
+                              "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule}
+
+
 # ---- self-test cases ----
 
 def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48):
