@@ -105,7 +105,6 @@ def register() -> None:
 # what a family declares: {transformers hub function name: its op}, the op taking the hub
 # function's arguments (fla's, causal-conv1d's, mamba_ssm's names) and implementation=
 HUB_DECLARATION = "TRANSFORMERS_HUB_FUNCTIONS"
-PACKING_ARGUMENTS = ("cu_seqlens", "seq_idx")
 
 
 def hub_functions() -> dict:
@@ -126,23 +125,34 @@ def _seq_idx(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:-1].contiguous(), positions, right=True).to(torch.int32)[None]
 
 
-def _call_hub_op(name: str, op, parameters: frozenset, implementation: str | None, args: tuple, kwargs: dict):
-    """``op`` called as the model calls the hub function ``name``.
-
-    As transformers does for a hub function, keyword arguments the op does not name (the model's
-    own, such as ``position_ids``) are dropped; but a packing argument it cannot take raises rather
-    than mixing sequences. An op with ``seq_idx`` and no ``cu_seqlens`` gets the ids from the
-    model's ``cu_seq_lens_q`` (Qwen3-Next passes its convolution only that; transformers packs
-    sequences only without a cache, so the call's time axis is the packed row's)."""
-    cu_q = kwargs.get("cu_seq_lens_q")
-    if "seq_idx" in parameters and "cu_seqlens" not in parameters and kwargs.get("seq_idx") is None \
-            and cu_q is not None and args:
+def _packing(name: str, parameters: frozenset, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with the call's packed sequences in the form the op takes: ``cu_seqlens`` (from the
+    model's ``cu_seq_lens_q`` when it passes only that, as Kimi Linear does) or ``seq_idx`` (ids
+    from the offsets: Qwen3-Next passes its convolution only ``cu_seq_lens_q``; transformers packs
+    sequences only without a cache, so the call's time axis is the packed row's). Packing the op
+    cannot take raises rather than mixing sequences."""
+    offsets = kwargs.get("cu_seqlens")
+    offsets = offsets if offsets is not None else kwargs.get("cu_seq_lens_q")
+    given = {key for key in ("cu_seqlens", "seq_idx", "cu_seq_lens_q") if kwargs.get(key) is not None}
+    if not given:
+        return kwargs
+    if "cu_seqlens" in parameters and offsets is not None:
+        return {**kwargs, "cu_seqlens": offsets}
+    if "seq_idx" in parameters and kwargs.get("seq_idx") is None and offsets is not None:
         if args[0].shape[0] != 1:
             raise ValueError(f"cu_seq_lens_q: packed sequences need batch 1, got {name} input {tuple(args[0].shape)}")
-        kwargs = {**kwargs, "seq_idx": _seq_idx(cu_q, args[0].shape[-1])}
-    for argument in PACKING_ARGUMENTS:
-        if kwargs.get(argument) is not None and argument not in parameters:
-            raise ValueError(f"{argument}: torch_kernels' {name} takes no packed sequences")
+        return {**kwargs, "seq_idx": _seq_idx(offsets, args[0].shape[-1])}
+    if "seq_idx" in parameters and "seq_idx" in given:
+        return kwargs
+    argument = sorted(given)[0]
+    raise ValueError(f"{argument}: torch_kernels' {name} takes no packed sequences in this form")
+
+
+def _call_hub_op(name: str, op, parameters: frozenset, implementation: str | None, args: tuple, kwargs: dict):
+    """``op`` called as the model calls the hub function ``name``: with its packed sequences (see
+    :func:`_packing`), then, as transformers does for a hub function, without the keyword
+    arguments the op does not name (the model's own, such as ``position_ids``)."""
+    kwargs = _packing(name, parameters, args, kwargs)
     if "**" not in parameters:
         kwargs = {key: value for key, value in kwargs.items() if key in parameters}
     return op(*args, **kwargs, implementation=implementation)
