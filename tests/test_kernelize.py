@@ -291,3 +291,34 @@ def test_report_names_what_is_not_replaced_and_bad_arguments():
         with pytest.raises(ValueError, match="^cu_seq_lens_q: "):
             model.model.layers[0].conv._kernel_funcs["causal_conv1d_fn"](
                 torch.zeros(2, 4, 3), weight, cu_seq_lens_q=torch.tensor([0, 1, 3]))
+
+
+def test_quantized_attention_on_request_and_undone():
+    """quantized_attention=True sets this model's attention to the quantized interface (on CPU
+    tensors it runs exact SDPA, so the logits stay); undo puts SDPA back."""
+    model, ids = _model("lfm2"), _ids(length=8)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with kernelize(model, quantized_attention=True) as report:
+            assert "attention" in report.replaced and "attention" not in dict(report.not_replaced)
+            assert model.config._attn_implementation == integration.QUANTIZED_ATTENTION
+            assert _relative(model(ids).logits, ref) <= 1e-5
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_declarations_are_public_wrappers_and_unique():
+    """Each family's TRANSFORMERS_HUB_FUNCTIONS maps to wrappers it exports; a name declared twice
+    is refused."""
+    for name, table in families.declared(integration.HUB_DECLARATION).items():
+        family = families.families()[name]
+        assert all(op in [getattr(family, n) for n in family.__all__] for op in table.values()), name
+
+    class Twice:
+        TRANSFORMERS_HUB_FUNCTIONS = {"causal_conv1d_fn": lambda *a, **k: None}
+
+    families.register("toy_twice", Twice)
+    try:
+        with pytest.raises(ValueError, match="causal_conv1d_fn"):
+            kernelize(_model("lfm2"))
+    finally:
+        families.unregister("toy_twice")
