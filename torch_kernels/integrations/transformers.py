@@ -227,6 +227,15 @@ def _checked_implementation(implementation) -> str | None:
     return chosen
 
 
+def _missing_kernels(op, implementation: str | None) -> str | None:
+    """Why ``op`` cannot run on the chosen backends (None if it can, or if none was chosen: the
+    device default ends with the reference)."""
+    registered = backends.implementations(getattr(op, "__name__", ""))
+    if implementation is None or not registered or set(implementation.split(",")) & set(registered):
+        return None
+    return f"no {implementation} kernel (it has {', '.join(registered)}): transformers' path kept"
+
+
 def _experts_name(implementation: str | None) -> str:
     """The experts implementation name for ``implementation`` (registered on first use)."""
     if implementation is None:
@@ -253,6 +262,10 @@ def _replace_hub_functions(model: nn.Module, implementation: str | None, report:
             listed.add(name)
             if name not in provided:
                 report._skip(name, "no torch_kernels family provides it")
+                continue
+            missing = _missing_kernels(provided[name], implementation)
+            if missing:
+                report._skip(name, missing)
                 continue
             base = getattr(type(wrapper), "torch_kernels_base", type(wrapper))
             wrappers[name] = _replacement_class(base, name, provided[name], implementation)()

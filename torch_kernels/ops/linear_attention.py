@@ -422,7 +422,8 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 # transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``
 # routes a model's calls of them here): fla's names, argument names and layouts
 TRANSFORMERS_HUB_FUNCTIONS = {"chunk_gated_delta_rule": chunk_gated_delta_rule,
-                              "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule}
+                              "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+                              "chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}
 
 
 # ---- self-test cases ----
