@@ -303,6 +303,10 @@ def test_report_names_what_is_not_replaced_and_bad_arguments():
         with pytest.raises(ValueError, match="^cu_seq_lens_q: "):
             model.model.layers[0].conv._kernel_funcs["causal_conv1d_fn"](
                 torch.zeros(2, 4, 3), weight, cu_seq_lens_q=torch.tensor([0, 1, 3]))
+    gdn = _model("qwen3_next")
+    with kernelize(gdn), pytest.raises(ValueError, match="^seq_idx: "):  # it takes offsets, not ids
+        gdn.model.layers[0].linear_attn._kernel_funcs["chunk_gated_delta_rule"](
+            x, x, x, x, x, seq_idx=torch.zeros(1, 1, dtype=torch.int32))
 
 
 def test_quantized_attention_on_request_and_undone():

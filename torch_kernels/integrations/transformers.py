@@ -126,24 +126,23 @@ def _seq_idx(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _packing(name: str, parameters: frozenset, args: tuple, kwargs: dict) -> dict:
-    """``kwargs`` with the call's packed sequences in the form the op takes: ``cu_seqlens`` (from the
-    model's ``cu_seq_lens_q`` when it passes only that, as Kimi Linear does) or ``seq_idx`` (ids
-    from the offsets: Qwen3-Next passes its convolution only ``cu_seq_lens_q``; transformers packs
-    sequences only without a cache, so the call's time axis is the packed row's). Packing the op
-    cannot take raises rather than mixing sequences."""
+    """``kwargs`` with the call's packed sequences in the form the op takes: the model's ``seq_idx``
+    if it passes one and the op takes it; else ``cu_seqlens`` (from the model's ``cu_seq_lens_q``
+    when it passes only that, as Kimi Linear does); else ``seq_idx`` ids from the offsets (Qwen3-Next
+    passes its convolution only ``cu_seq_lens_q``; transformers packs sequences only without a
+    cache, so the call's time axis is the packed row's). Packing the op cannot take raises rather
+    than mixing sequences."""
     offsets = kwargs.get("cu_seqlens")
     offsets = offsets if offsets is not None else kwargs.get("cu_seq_lens_q")
     given = {key for key in ("cu_seqlens", "seq_idx", "cu_seq_lens_q") if kwargs.get(key) is not None}
-    if not given:
-        return kwargs
+    if not given or "seq_idx" in parameters and "seq_idx" in given:
+        return kwargs  # the model's own ids where the op takes them (Mamba-2's form)
     if "cu_seqlens" in parameters and offsets is not None:
         return {**kwargs, "cu_seqlens": offsets}
-    if "seq_idx" in parameters and kwargs.get("seq_idx") is None and offsets is not None:
+    if "seq_idx" in parameters and offsets is not None:
         if args[0].shape[0] != 1:
             raise ValueError(f"cu_seq_lens_q: packed sequences need batch 1, got {name} input {tuple(args[0].shape)}")
         return {**kwargs, "seq_idx": _seq_idx(offsets, args[0].shape[-1])}
-    if "seq_idx" in parameters and "seq_idx" in given:
-        return kwargs
     argument = sorted(given)[0]
     raise ValueError(f"{argument}: torch_kernels' {name} takes no packed sequences in this form")
 
