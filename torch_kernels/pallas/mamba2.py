@@ -1,0 +1,25 @@
+"""The mamba2 family on the pallas backend: ``selective_state_update`` on CPU torch tensors
+(``pallas_selective_state_update``, which ``torch_kernels.ops.mamba2`` registers), copying the
+rows it wrote back into the caller's state. The chunked scan runs ``chunk_simple_gla``'s Pallas
+kernels (``torch_kernels.pallas.linear_attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .torch_tensors import check_cpu, check_no_float64, to_jax, to_torch
+
+
+def pallas_selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, softplus, rows):
+    check_cpu(x)
+    present = [t for t in (state, x, dt, A, B, C, D, z, dt_bias) if t is not None]
+    check_no_float64(*present)
+    from jax_impl import mamba2
+
+    arrays = [None if t is None else to_jax(t.contiguous()) for t in (state, x, dt, A, B, C, D, z, dt_bias)]
+    out, new_state = mamba2.selective_state_update(*arrays, softplus, None if rows is None else to_jax(rows))
+    lines = torch.arange(x.shape[0]) if rows is None else rows.long()
+    lines = lines[lines >= 0]  # only the rows this batch uses come back: the others stay as they were
+    state[lines] = to_torch(new_state)[lines]
+    return to_torch(out)
