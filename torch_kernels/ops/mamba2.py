@@ -366,7 +366,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     step = reference.step_size(dt, dt_bias, dt_softplus, wide).clamp(low, high)
     g = A.to(wide) * step
     if seq_idx is not None:
-        g = g.masked_fill(_boundaries(seq_idx), float("-inf"))
+        g = g.masked_fill(_boundaries(seq_idx)[..., None], float("-inf"))
     q = reference.heads_of_groups(C.to(scan_dtype), heads)
     k = reference.heads_of_groups(B.to(scan_dtype), heads)
     v = (x.to(wide) * step[..., None]).to(scan_dtype)
@@ -407,27 +407,30 @@ def scan_inputs(gen, dtype, device, batch=2, length=37, heads=4, headdim=8, grou
 
 def naive_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
                dt_limit=(0.0, float("inf"))):
-    """``(y, final states)`` by a loop over time, from the definition, in float64 (differentiable)."""
+    """``(y, final states)`` by a loop over time and heads, from the definition, in float64
+    (differentiable; ``seq_idx`` restarts the state from zero where the id changes)."""
     batch, length, heads, headdim = x.shape
-    step = reference.step_size(dt.double(), None if dt_bias is None else dt_bias.double(), dt_softplus,
-                               torch.float64).clamp(*dt_limit)
-    Bh = reference.heads_of_groups(B.double(), heads)
-    Ch = reference.heads_of_groups(C.double(), heads)
-    h = torch.zeros(batch, heads, headdim, B.shape[-1], dtype=torch.float64) if initial_states is None \
-        else initial_states.double()
-    ys = []
-    for t in range(length):
-        decay = torch.exp(A.double() * step[:, t])[:, :, None, None]
-        if seq_idx is not None and t > 0:
-            decay = decay * (seq_idx[:, t] == seq_idx[:, t - 1]).double()[:, None, None, None]
-        h = decay * h + (step[:, t, :, None] * x[:, t].double())[..., None] * Bh[:, t, :, None, :]
-        ys.append((h * Ch[:, t, :, None, :]).sum(-1))
-    y = torch.stack(ys, 1)
+    per_group = heads // B.shape[2]
+    step = dt.double() + (0 if dt_bias is None else dt_bias.double())
+    step = (F.softplus(step) if dt_softplus else step).clamp(*dt_limit)
+    state = [[torch.zeros(headdim, B.shape[-1], dtype=torch.float64) if initial_states is None
+              else initial_states[b, h].double() for h in range(heads)] for b in range(batch)]
+    y = []
+    for b in range(batch):
+        for t in range(length):
+            restart = seq_idx is not None and t > 0 and int(seq_idx[b, t]) != int(seq_idx[b, t - 1])
+            for h in range(heads):
+                g = h // per_group
+                d = step[b, t, h]
+                decay = 0.0 if restart else torch.exp(A[h].double() * d)
+                state[b][h] = decay * state[b][h] + torch.outer(d * x[b, t, h].double(), B[b, t, g].double())
+                y.append(state[b][h] @ C[b, t, g].double())
+    y = torch.stack(y).reshape(batch, length, heads, headdim)
     if D is not None:
         y = y + (D.double()[:, None] if D.dim() == 1 else D.double()) * x.double()
     if z is not None:
         y = y * F.silu(z.double())
-    return y, h
+    return y, torch.stack([torch.stack(row) for row in state])
 
 
 def _scan_run(x, dt, A, B, C, D, z, dt_bias, h0, implementation=None):
