@@ -363,13 +363,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     heads = x.shape[2]
     wide = reference.compute_dtype(x.dtype)
     scan_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else wide
-    step = reference.step_size(dt, dt_bias, dt_softplus, wide).clamp(low, high)
+    # clamp_min then clamp_max: their backwards are plain selects (torchax lowers them, not clamp's)
+    step = reference.step_size(dt, dt_bias, dt_softplus, wide).clamp_min(low).clamp_max(high)
     g = A.to(wide) * step
     if seq_idx is not None:
-        g = g.masked_fill(_boundaries(seq_idx)[..., None], float("-inf"))
+        g = g.masked_fill(_boundaries(seq_idx).unsqueeze(-1), float("-inf"))
     q = reference.heads_of_groups(C.to(scan_dtype), heads)
     k = reference.heads_of_groups(B.to(scan_dtype), heads)
-    v = (x.to(wide) * step[..., None]).to(scan_dtype)
+    v = (x.to(wide) * step.unsqueeze(-1)).to(scan_dtype)  # unsqueeze, not [..., None]: see heads_of_groups
     h0 = None if initial_states is None else initial_states.transpose(-1, -2)
     try:
         o, final = chunk_simple_gla(q, k, v, g, 1.0, h0, return_final_states, cu_seqlens, implementation)
@@ -379,7 +380,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         raise
     y = o.to(wide)
     if D is not None:
-        y = y + (D.to(wide)[:, None] if D.dim() == 1 else D.to(wide)) * x.to(wide)
+        y = y + (D.to(wide).unsqueeze(-1) if D.dim() == 1 else D.to(wide)) * x.to(wide)
     if z is not None:
         y = y * F.silu(z.to(wide))
     y = y.to(x.dtype)

@@ -24,7 +24,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[..., G, N]`` to ``[..., H, N]``: head ``h`` takes group ``h // (H / G)``."""
-    return t.repeat_interleave(heads // t.shape[-2], dim=-2)
+    *lead, groups, dstate = t.shape
+    # unsqueeze, expand and reshape: torchax tensors keep autograd through these (not through
+    # repeat_interleave or indexing with None)
+    return t.unsqueeze(-2).expand(*lead, groups, heads // groups, dstate).reshape(*lead, heads, dstate)
 
 
 def step_size(dt, dt_bias, softplus: bool, wide: torch.dtype) -> torch.Tensor:
