@@ -53,10 +53,11 @@ def _finish(state, lines, live, new_rows, out):
     return out, state.at[targets].set(new_rows.astype(state.dtype), mode="drop")
 
 
+@functools.partial(jax.jit, static_argnames=("softplus", "interpret"))
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, softplus=False, rows=None,
                            interpret=None):
     """``(out [Bt, H, P], new state)`` of one decode step (see ``torch_kernels.reference.mamba2``),
-    the state math in a Pallas kernel."""
+    the state math in a Pallas kernel; jitted (a decode loop calls it again and again on one shape)."""
     batch, heads, headdim = x.shape
     dstate = B.shape[-1]
     lines, live, old, Bh, Ch, D, dt_bias = _prepared(state, x, dt, A, B, C, D, z, dt_bias, rows)
@@ -79,6 +80,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return _finish(state, lines, live, new_rows, out.reshape(x.shape))
 
 
+@functools.partial(jax.jit, static_argnames=("softplus",))
 def selective_state_update_reference(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, softplus=False,
                                      rows=None):
     """The decode step in plain ``jnp``: ``(out, new state)``."""
