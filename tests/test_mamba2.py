@@ -307,6 +307,23 @@ def test_matches_transformers_torch_fallbacks(model):
     torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["mamba", "jamba"])
+def test_mamba1_decode_form_matches_transformers_torch_fallback(model):
+    """Mamba-1 models call ``selective_state_update(state [B, D, N], x [B, D], dt [B, D], A [D, N],
+    B [B, N], C [B, N], D [D], z=, dt_bias=, dt_softplus=True)``: one head of all channels."""
+    require_backend("triton")
+    modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    up = make_update_inputs(batch=2, heads=1, groups=1, dstate=6, headdim=10, expanded=False)
+    args = [up["x"][:, 0], up["dt"][:, 0], up["A"][0], up["B"][:, 0], up["C"][:, 0], up["D"][0]]
+    kwargs = dict(z=up["z"][:, 0], dt_bias=up["dt_bias"][0], dt_softplus=True)
+    theirs_state, ours_state = up["state"][:, 0].clone(), up["state"][:, 0].clone()
+    theirs = modeling.mamba_selective_state_update(theirs_state, *args, **kwargs)
+    ours = torch_kernels.selective_state_update(ours_state, *args, **kwargs, implementation="triton")
+    assert ours.shape == args[0].shape and backends.last_backend(UPDATE) == "triton"
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
+
+
 def test_a_mamba2_mixer_on_these_ops_matches_its_torch_path(monkeypatch):
     """A tiny Mamba2Mixer (random weights) run on its torch path, then with its scan function
     replaced by mamba_chunk_scan_combined (as transformers' kernel lookup does): the same output."""

@@ -108,6 +108,7 @@ SCAN = [  # (case, argument, error, change of the good call's keyword arguments)
 
 UPDATE = [
     ("x 4-D", "x", ValueError, map_arg("x", lambda t: t[:, :, None])),
+    ("x Mamba-1's 2-D with a 4-D state", "state", ValueError, map_arg("x", lambda t: t[:, 0])),
     ("x int", "x", TypeError, map_arg("x", lambda t: t.int())),
     ("state 3-D", "state", ValueError, map_arg("state", lambda t: t[0])),
     ("state dstate", "state", ValueError, map_arg("state", lambda t: t[..., :5])),

@@ -267,7 +267,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         out[b, h, p] = sum_n state[r, h, p, n] * C[b, g, n] + D[h, p] * x[b, h, p]   (* silu(z[b, h, p]))
 
     Arithmetic in float32 (float64 for float64 x); out reads the new state before it is rounded
-    to the state's dtype. No ``dt_limit`` clamp (as upstream's decode step).
+    to the state's dtype. No ``dt_limit`` clamp (as upstream's decode step). Mamba-1's form, as
+    upstream: ``state [rows, dim, dstate]``, x, dt and z ``[batch, dim]``, ``A [dim, dstate]``,
+    B and C ``[batch, dstate]``, D and dt_bias ``[dim]`` (one head of ``dim`` channels).
 
     Args:
         state: ``[rows, nheads, headdim, dstate]``, any float dtype and strides (a view into a
@@ -292,7 +294,19 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                      state_batch_indices=state_batch_indices)
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus: expected a bool, got {type(dt_softplus).__name__}")
-    _checks.tensor("x", x, ndim=3, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    if x.dim() == 2:  # Mamba-1's form: one head of all channels (views, so state is still written in place)
+        if state.dim() != 3:
+            raise ValueError(f"state: expected [rows, dim, dstate] with x [batch, dim], got shape {tuple(state.shape)}")
+        state, x, dt, B, C = (t.unsqueeze(1) if t.dim() >= 1 else t for t in (state, x, dt, B, C))
+        A = A.unsqueeze(0) if A.dim() >= 1 else A
+        D = None if D is None else D.unsqueeze(0)
+        dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
+        z = None if z is None else z.unsqueeze(1)
+        return selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                                      implementation).squeeze(1)
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [batch, nheads, headdim] (or Mamba-1's [batch, dim]), got shape {tuple(x.shape)}")
     heads, headdim = x.shape[1:]
     D, dt_bias = _per_channel("D", D, heads, headdim), _per_channel("dt_bias", dt_bias, heads, headdim)
     return selective_state_update_op(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
