@@ -45,20 +45,24 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, softplus: bool,
     written in place in the rows used. Any strides (models pass expanded views)."""
     wide = compute_dtype(x.dtype)
     heads = x.shape[1]
-    lines = torch.arange(x.shape[0], device=x.device) if rows is None else rows.long()
-    live = lines >= 0
-    d = step_size(dt, dt_bias, softplus, wide)[..., None]
-    old = state[lines.clamp(min=0)].to(wide)
+    d = step_size(dt, dt_bias, softplus, wide).unsqueeze(-1)
     xs = x.to(wide)
-    new = torch.exp(d * A.to(wide)) * old + (d * xs[..., None]) * heads_of_groups(B.to(wide), heads)[:, :, None, :]
-    out = (new * heads_of_groups(C.to(wide), heads)[:, :, None, :]).sum(-1)
+    if rows is None:  # every row in order: no gather, no scatter
+        old, lines, live = state.to(wide), None, None
+    else:
+        lines = rows.long()
+        live = lines >= 0
+        old = state[lines.clamp(min=0)].to(wide)
+    new = torch.exp(d * A.to(wide)) * old + (d * xs.unsqueeze(-1)) * heads_of_groups(B.to(wide), heads).unsqueeze(-2)
+    out = torch.matmul(new, heads_of_groups(C.to(wide), heads).unsqueeze(-1)).squeeze(-1)
     if D is not None:
         out = out + D.to(wide) * xs
     if z is not None:
         out = out * F.silu(z.to(wide))
-    out = torch.where(live[:, None, None], out, torch.zeros((), dtype=wide, device=x.device))
     if rows is None:
         state.copy_(new)
-    elif bool(live.any()):
+        return out.to(x.dtype)
+    out = torch.where(live[:, None, None], out, torch.zeros((), dtype=wide, device=x.device))
+    if bool(live.any()):
         state[lines[live]] = new[live].to(state.dtype)
     return out.to(x.dtype)
