@@ -1,6 +1,7 @@
 """What every benchmark script shares: timing, tables, the results folder, peer environments, the
-family scripts' common options, and what each family script declares for the scripts that run or
-summarize all of them (``family_benchmarks``).
+family scripts' common options, the benchmark history (``--history``: every measurement's timings
+appended as a JSON line, which benchmarks/history.py compares and bisects), and what each family
+script declares for the scripts that run or summarize all of them (``family_benchmarks``).
 
 Only the standard library and torch, so that peer scripts run in their own environments can
 import it too; torch only inside functions, so that ``python benchmarks/common.py gpu-steps``
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -26,36 +29,245 @@ RESULTS = BENCHMARKS / "results"
 PEERS_PYTHON = pathlib.Path(os.environ.get("TORCH_KERNELS_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
 
 
-def seconds_per_call(fn, budget_s: float = 0.5, sync=None) -> float:
+def seconds_per_call(fn, budget_s: float = 0.5, sync=None, case: dict | None = None) -> float:
     """Wall time of one ``fn()``: the fastest of about ten timed blocks of calls in ``budget_s``.
 
     The minimum, not the mean, because this machine's noise only ever adds time. The first
     call (compiles, caches, kernel loads) is not timed; a call slower than the budget after it
     is timed once, alone. ``sync`` (e.g. ``torch.cuda.synchronize``) waits for an asynchronous
     device: it runs before each clock reading, so a block counts the work it queued.
+
+    With the benchmark history on (``--history``, or ``$TORCH_KERNELS_BENCH_HISTORY``), every block's
+    time per call is appended to it as one line for this measurement (:func:`record_history`): its
+    case is the ``torch_kernels`` op calls the first call made (:func:`case_of`), or ``case`` (a dict
+    of ``op``, ``backend``, ``shape``, ``dtype``) for code that calls none; code that calls none and
+    has no ``case`` is timed but not recorded. With ``$TORCH_KERNELS_BENCH_CASE`` set (``bench
+    bisect``), a measurement of another case returns its first call's time without timing more.
     """
-    fn()
-    if sync:
-        sync()
+    recording = history_path() is not None or os.environ.get(CASE_ENV)
+    if recording:
+        start = time.perf_counter()
+        found = case_of(fn, sync)
+        first = time.perf_counter() - start
+        case = case or found
+        if case is not None:
+            case = _unique_case(case)
+        if os.environ.get(CASE_ENV) and (case is None or not case_matches(os.environ[CASE_ENV], case)):
+            return first
+    else:
+        fn()
+        if sync:
+            sync()
     start = time.perf_counter()
     fn()
     if sync:
         sync()
     best = time.perf_counter() - start
-    if best >= budget_s:
-        return best
-    calls = max(1, int(budget_s / 10 / best))
-    deadline = time.perf_counter() + budget_s
-    blocks = 0
-    while blocks < 3 or time.perf_counter() < deadline:
+    samples = [best]
+    if best < budget_s:
+        calls = max(1, int(budget_s / 10 / best))
+        deadline = time.perf_counter() + budget_s
+        samples = []
+        while len(samples) < 3 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if sync:
+                sync()
+            samples.append((time.perf_counter() - start) / calls)
+        best = min(best, *samples)
+    if recording and case is not None:
+        on_cpu = str(case.get("device") or "cpu").startswith("cpu")
+        record_history(case, samples, control=control_timings() if on_cpu else None)
+    return best
+
+
+_control_input = None
+
+
+def control_timings(blocks: int = 5) -> list[float]:
+    """Seconds of each of ``blocks`` runs of a fixed CPU workload (float32 matrix products), timed right
+    after a measurement and recorded beside it: how fast the machine was just then. On a shared
+    machine other processes' load comes and goes; compare shows the control's change between runs,
+    and ``--control`` divides by it."""
+    global _control_input
+    import torch
+
+    if _control_input is None:
+        _control_input = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+    a = _control_input
+
+    def work():
+        for _ in range(4):
+            torch.mm(a, a)
+
+    work()
+    timings = []
+    for _ in range(blocks):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        work()
+        timings.append(time.perf_counter() - start)
+    return timings
+
+
+# ------------------------------------------------------------------------------ the benchmark history
+
+HISTORY = BENCHMARKS / "history"
+HISTORY_ENV = "TORCH_KERNELS_BENCH_HISTORY"  # a history file, or 1 for the default one
+CASE_ENV = "TORCH_KERNELS_BENCH_CASE"  # only the measurements of this case are timed (bench bisect)
+_RUN = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # this process's measurements, one run
+_cases_seen: dict[str, int] = {}
+
+
+def history_path() -> pathlib.Path | None:
+    """The history file this process appends to, or None: ``$TORCH_KERNELS_BENCH_HISTORY`` (set by the
+    scripts' ``--history [PATH]``), ``1`` meaning ``benchmarks/history/<device>.jsonl``."""
+    setting = os.environ.get(HISTORY_ENV, "").strip()
+    if setting in ("", "0"):
+        return None
+    return default_history_path() if setting == "1" else pathlib.Path(setting)
+
+
+def default_history_path(device: str | None = None) -> pathlib.Path:
+    """``benchmarks/history/<device name, as a file name>.jsonl`` for ``device`` (default: this machine's
+    accelerator, else its CPU); a CPU's thread count is left out of the file name (measurements with
+    other counts share the file, and each line's device, which compare matches, keeps it)."""
+    name = re.sub(r"\s*\(\d+ threads?\)", "", device or device_label())
+    return HISTORY / (re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") + ".jsonl")
+
+
+def device_label(device_type: str | None = None) -> str:
+    """The device results are recorded under: the accelerator's model, or the CPU's model and threads
+    (torch_kernels.profiling.device_name, which the profile's peaks use too)."""
+    import torch
+
+    from torch_kernels.profiling import device_name
+
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return device_name(device_type)
+
+
+def case_of(fn, sync=None) -> dict | None:
+    """Calls ``fn()`` once with the ``torch_kernels`` op calls recorded, and names its case from them:
+    ``op`` and ``backend`` (each distinct one in call order, joined by ``+``), and the first call's
+    ``shape`` (its tensor arguments' shapes, then its other arguments), ``dtype`` (its first floating
+    tensor's) and ``device``. None when ``fn`` called no op (or a profile or the telemetry is already
+    recording, which would miss them)."""
+    try:
+        from torch_kernels import profiling
+    except ImportError:
+        profiling = None
+    if profiling is None or profiling._telemetry is not None or profiling._active is not None:
+        fn()
         if sync:
             sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-        blocks += 1
-    return best
+        return None
+    telemetry = profiling.Telemetry(seconds=1e9, max_events=10_000)._start()
+    try:
+        fn()
+        if sync:
+            sync()
+    finally:
+        telemetry.stop()
+    events = telemetry.events()
+    if not events:
+        return None
+    first = events[0]
+    floating = [d for d in first["dtypes"] if d.startswith(("float", "bfloat"))] or first["dtypes"] or ["-"]
+    shape = ",".join("x".join(map(str, s)) or "scalar" for s in first["shapes"])
+    if first["arguments"]:
+        shape += ";" + ",".join(map(str, first["arguments"]))
+    return {"op": "+".join(dict.fromkeys(e["op"] for e in events)),
+            "backend": "+".join(dict.fromkeys(e["backend"] for e in events)),
+            "shape": shape, "dtype": floating[0], "device": first["device"]}
+
+
+def case_name(case: dict) -> str:
+    """``op/backend/shape/dtype``: how a case is named in the history, the compare table and ``--case``."""
+    return "/".join(str(case.get(key, "-")) for key in ("op", "backend", "shape", "dtype"))
+
+
+def case_matches(pattern: str, case: dict, script: str | None = None) -> bool:
+    """Whether ``pattern`` (shell-style: ``*`` and ``?``) names ``case``, written as
+    ``op/backend/shape/dtype`` or with the script first, ``script/op/backend/shape/dtype``."""
+    name = case.get("case") or case_name(case)
+    script = script or case.get("script") or _script()
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(f"{script}/{name}", pattern)
+
+
+def _unique_case(case: dict) -> dict:
+    """``case`` with ``case`` (its name) added; a second measurement of the same case in this run gets
+    ``#2`` after its name, and so on, so each stays a row of its own in every run."""
+    name = case_name(case)
+    _cases_seen[name] = seen = _cases_seen.get(name, 0) + 1
+    return {**case, "case": name if seen == 1 else f"{name}#{seen}"}
+
+
+def _script() -> str:
+    return pathlib.Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python"
+
+
+def environment_versions() -> dict[str, str | None]:
+    """The versions results depend on besides the code: torch, triton, jax, Python (read from the
+    installed packages' metadata, importing nothing)."""
+    import importlib.metadata
+    import platform
+
+    versions = {}
+    for package in ("torch", "triton", "jax"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def git_commit(root: pathlib.Path = ROOT) -> str | None:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it; None outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+_context: dict | None = None
+
+
+def record_history(case: dict, samples: list[float], path: pathlib.Path | None = None,
+                   control: list[float] | None = None) -> dict:
+    """Append one measurement to the history (``path``, default :func:`history_path`) as a JSON line:
+    the run, time, commit, script, case (its name and fields), device, library and environment versions,
+    ``seconds``, every timed block's seconds per call, and ``control``, :func:`control_timings` taken
+    just after (CPU cases). Returns the line's dict."""
+    global _context
+    if _context is None:
+        try:
+            import torch_kernels
+
+            library = torch_kernels.__version__
+        except ImportError:  # a peer script in an environment of its own
+            library = None
+        _context = {"commit": git_commit(), "library": library, "versions": environment_versions()}
+    device = case.get("device") or device_label()
+    line = {"run": _RUN, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _context["commit"],
+            "script": _script(), **{key: case.get(key) for key in ("case", "op", "backend", "shape", "dtype")},
+            "device": device, "library": _context["library"], "versions": _context["versions"],
+            "seconds": [float(s) for s in samples],
+            "control": None if control is None else [float(c) for c in control]}
+    line["case"] = line["case"] or case_name(case)
+    if path is None:
+        setting = os.environ.get(HISTORY_ENV, "").strip()
+        path = default_history_path(device) if setting in ("", "0", "1") else pathlib.Path(setting)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as file:
+        file.write(json.dumps(line) + "\n")
+    return line
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -105,7 +317,21 @@ def family_parser(description: str, quick: str, gpu: str, gpu_only: bool = False
                         help=f"{scope}where the inputs live" if gpu_only else None)
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per measurement")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"{scope}folder for the .md, .json and .png")
+    add_history_option(parser)
     return parser
+
+
+class _HistoryOption(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        os.environ[HISTORY_ENV] = str(value)  # seconds_per_call reads it; child processes inherit it
+
+
+def add_history_option(parser: argparse.ArgumentParser) -> None:
+    """``--history [PATH]``: append every measurement to the benchmark history (``PATH``, default
+    ``benchmarks/history/<device>.jsonl``); ``python -m torch_kernels bench compare`` reads it."""
+    parser.add_argument("--history", nargs="?", const="1", default=None, action=_HistoryOption, metavar="PATH",
+                        help="append each measurement's timings to PATH (default benchmarks/history/<device>.jsonl)")
 
 
 def cuda_missing(device: str) -> bool:

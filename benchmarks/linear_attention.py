@@ -9,6 +9,12 @@ chunked kernels (``fla-core``) where they import (CUDA only: they are Triton ker
 autotuning, which the CPU interpreter cannot run). Forward+backward is one forward and the
 backward of a random cotangent, every input requiring grad. Reports time, tokens/s, ratios, the
 length from which Gated DeltaNet is faster than attention, and ours vs the naive recurrence.
+
+Then Kimi Delta Attention at Kimi Linear's sizes (H = 32, K = V = 128): ``chunk_kda`` against
+transformers' torch version of Kimi Linear's chunked KDA (its fallback without fla) and fla's
+``chunk_kda`` where it imports (CUDA), forward and forward+backward, with the time ratios from one
+run; and each one's error against the float64 step-by-step recurrence under weak, strong (-5 to
+-20 per step on a quarter of the channels) and resetting (-inf) per-channel decays.
 Writes ``linear_attention{-quick,-gpu,}.{md,json,png}`` to ``--out`` (default ``benchmarks/results``).
 """
 
@@ -30,6 +36,7 @@ from torch_kernels import backends  # noqa: E402
 from torch_kernels.reference.linear_attention import recurrence_naive  # noqa: E402
 
 HEADS, HEAD_SIZE = 16, 128
+KDA_HEADS = 32  # Kimi Linear's linear-attention heads (head size 128)
 K = 1024
 
 BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
@@ -79,6 +86,91 @@ def fla_implementations():
         "fla gated delta rule": lambda x: chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
         "fla simple gla": lambda x: chunk_simple_gla(x["q"], x["k"] * HEAD_SIZE ** -0.5, x["v"], x["g"])[0],
     }, None
+
+
+def kda_inputs(length: int, device, dtype, heads=KDA_HEADS, decay="weak", seed=0):
+    """KDA inputs ``[1, T, H, 128]`` as Kimi Linear feeds them (the op l2-normalizes q and k), with a
+    per-channel decay ``g [1, T, H, 128]``: "weak" (-0.05..0), "strong" (a quarter of the channels
+    -5..-20 per step) or "reset" (weak, and -inf on a quarter of the channels at one step)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, length, heads, HEAD_SIZE)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    g = -0.05 * torch.rand(shape, generator=gen)
+    if decay == "strong":
+        strong = torch.rand(heads, HEAD_SIZE, generator=gen) < 0.25
+        g = torch.where(strong, -5.0 - 15.0 * torch.rand(shape, generator=gen), g)
+    if decay == "reset":
+        g[0, length // 3] = torch.where(torch.rand(heads, HEAD_SIZE, generator=gen) < 0.25, float("-inf"), 0.0)
+    beta = torch.rand(1, length, heads, generator=gen)
+    return {n: t.to(device, dtype if n in "qkv" else torch.float32) for n, t in
+            dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+
+
+def kda_implementations():
+    """{name: fn(inputs) -> o} for ours and the peers that import here, and notes on those left out."""
+    impls = {"ours: chunk_kda": lambda x: torch_kernels.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                                  use_qk_l2norm_in_kernel=True)[0]}
+    notes = []
+    try:
+        import inspect
+
+        from transformers.models.kimi_linear import modeling_kimi_linear
+        # the module-level name is a hub-kernel wrapper that picks fla where it imports: take the torch function
+        wrapper = type(modeling_kimi_linear.chunk_kimi_delta_attention).forward
+        torch_version = inspect.unwrap(inspect.getclosurevars(wrapper).nonlocals["func"])
+        impls["transformers torch KDA"] = lambda x: torch_version(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
+                                                                  use_qk_l2norm_in_kernel=True)[0]
+    except Exception as e:  # an older transformers without Kimi Linear, or another wrapping
+        notes.append(f"transformers' torch KDA: left out ({type(e).__name__}: {e})")
+    if torch.cuda.is_available():
+        try:
+            from fla.ops.kda import chunk_kda as fla_chunk_kda
+            impls["fla chunk_kda"] = lambda x: fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                             use_qk_l2norm_in_kernel=True)[0]
+        except Exception as e:
+            notes.append(f"fla: does not import here ({type(e).__name__}: {e})")
+    else:
+        notes.append("fla: left out on CPU (its Triton kernels autotune, which the interpreter cannot run)")
+    return impls, notes
+
+
+def kda_section(lengths, device, dtype, budget, sync, heads=KDA_HEADS):
+    """(markdown, rows, errors): KDA timings with ratios to ours, and errors against the recurrence."""
+    impls, notes = kda_implementations()
+    rows = []
+    for length in lengths:
+        x = kda_inputs(length, device, dtype, heads=heads)
+        for impl, fn in impls.items():
+            fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
+            rows.append({"impl": impl, "T": length, "fwd_s": fwd, "fwd_bwd_s": fwd_bwd})
+            print(f"  KDA T={length:6d} {impl:24s} fwd {fwd * 1e3:9.1f} ms  fwd+bwd {fwd_bwd * 1e3:9.1f} ms",
+                  flush=True)
+    table = []
+    for r in rows:
+        ours = next(p for p in rows if p["T"] == r["T"] and p["impl"] == "ours: chunk_kda")
+        table.append([r["T"], r["impl"], f"{r['fwd_s'] * 1e3:,.1f}", f"{r['fwd_bwd_s'] * 1e3:,.1f}",
+                      f"{r['fwd_s'] / ours['fwd_s']:.2f}x", f"{r['fwd_bwd_s'] / ours['fwd_bwd_s']:.2f}x"])
+    errors = {}
+    for decay in ("weak", "strong", "reset"):
+        x = kda_inputs(256, device, dtype, heads=2, decay=decay, seed=1)
+        want, _ = recurrence_naive(*(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), HEAD_SIZE ** -0.5,
+                                   use_qk_l2norm=True)
+        for impl, fn in impls.items():
+            got = fn(x).double().cpu()
+            error = (got - want).square().mean().sqrt() / want.square().mean().sqrt()
+            errors[f"{impl}, {decay} decay"] = error.item()
+    out = [f"\n## Kimi Delta Attention\n\nB = 1, H = {heads}, K = V = {HEAD_SIZE}, g per channel, l2 norm in "
+           "the op; "
+           f"ours ran on the `{backends.last_backend('chunk_kda')}` backend. The last two columns: this one's time "
+           "over ours (above 1x: ours is faster).\n",
+           markdown_table(["T", "impl", "fwd ms", "fwd+bwd ms", "time / ours (fwd)", "time / ours (fwd+bwd)"], table),
+           "\nRelative RMSE of the output against the float64 step-by-step recurrence (T = 256, H = 2; strong: "
+           "a quarter of the channels -5 to -20 per step; reset: -inf on a quarter of the channels at one step, "
+           "which zeroes those rows of the state):\n",
+           markdown_table(["impl, decay", "relative RMSE"], [[n, f"{e:.1e}"] for n, e in errors.items()])]
+    if notes:
+        out.append("\n" + "; ".join(notes) + ".")
+    return "\n".join(out), rows, errors
 
 
 def timed(fn, x, backward: bool, budget_s: float, sync) -> float:
@@ -226,13 +318,21 @@ def main(argv=None) -> int:
         out.append(f"\n{fla_note}.")
     out.append(f"\nOurs against the naive float64 recurrence at T = {accuracy_length}: relative RMSE {error:.1e} "
                "(output).")
+    if args.gpu:
+        kda_lengths = (1 * K, 4 * K, 16 * K) if cuda else (64,)
+    else:
+        kda_lengths = (512,) if args.quick else (512, 1 * K)
+    kda_heads = 2 if args.gpu and not cuda else KDA_HEADS  # the GPU script's dry run: tiny
+    kda_report, kda_rows, kda_errors = kda_section(kda_lengths, device, dtype, budget, sync, kda_heads)
+    out.append(kda_report)
     report = "\n".join(out) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-gpu" if args.gpu else ("-quick" if args.quick else "") + ("-cuda" if cuda else "")
     (args.out / f"linear_attention{suffix}.md").write_text(report)
     (args.out / f"linear_attention{suffix}.json").write_text(json.dumps(
         {"machine": machine_line(), "device": str(device), "backend": backend, "rows": rows, "fla": fla_note or "timed",
-         "relative_rmse_vs_naive": error}, indent=1))
+         "relative_rmse_vs_naive": error, "kda_rows": kda_rows, "kda_relative_rmse_vs_naive": kda_errors},
+        indent=1))
     try:
         plot(rows, list(impls), args.out / f"linear_attention{suffix}.png")
     except ImportError as e:  # matplotlib is in the [bench] extra: the tables still stand

@@ -42,7 +42,8 @@ grouping are undone by JAX's autodiff. With no sequences or no value heads no ke
 **Recurrent form.** ``fused_recurrent_gated_delta_rule`` is a ``lax.scan`` over time steps in
 jnp (the decode form: a few tokens from a carried state), differentiated by JAX; it is also the
 reference these kernels are compared with in pure JAX. It multiplies by ``exp(g_t)`` step by
-step, so it is exact and finite for any g <= 0, -inf included.
+step, so it is exact and finite for any g <= 0, -inf included. Given ``g [B, T, HV, K]`` it is
+Kimi Delta Attention's ``fused_recurrent_kda``: row c of the state decays by ``exp(g_tc)``.
 
 All arithmetic is float32 (matmuls at HIGHEST precision); outputs are in v's dtype.
 """
@@ -547,10 +548,12 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu
 # ---------------------------------------------------------------- the recurrent (step) form
 
 def _scan(q, k, v, g, beta, h0, scale):
-    """The recurrence over axis 1 of ``[N, L, HV, *]`` float32 inputs from states ``h0``."""
+    """The recurrence over axis 1 of ``[N, L, HV, *]`` float32 inputs from states ``h0``; ``g``
+    ``[N, L, HV]`` per head or ``[N, L, HV, K]`` per key channel (row c of the state by its own)."""
     def step(state, x):
         q_t, k_t, v_t, g_t, beta_t = x
-        state = state * jnp.exp(g_t)[..., None, None]
+        decay = jnp.exp(g_t)
+        state = state * (decay[..., None] if decay.ndim == state.ndim - 1 else decay[..., None, None])
         if beta_t is None:
             update = v_t
         else:

@@ -14,6 +14,8 @@
 //   DELTA            1 the delta rule (beta given), 0 gated linear attention
 //   K_MAX            a power of two >= K (sizes local and private arrays; K is a runtime value)
 //   VB               state columns per work-group, a power of two (V is a runtime value)
+//   PER_CHANNEL      1: g [rows, HV, K] holds a log decay per key channel (Kimi Delta Attention:
+//                    row c of S decays by exp(g_tc); the recurrent kernels only), 0: g [rows, HV]
 // g, beta, the states, do and every gradient are float32. Rows are tokens of the flat
 // [B * T] axis; sequence n spans rows cu[n] .. cu[n + 1] (the host passes B sequences of T
 // rows when there is no cu_seqlens). Head h reads q/k head h / (HV / H).
@@ -23,6 +25,10 @@
 
 typedef CAT(TYPE_, QK_KIND) qk_t;  // kinds, loads and stores come from dtypes.cl
 typedef CAT(TYPE_, V_KIND) v_t;
+
+#ifndef PER_CHANNEL
+#define PER_CHANNEL 0
+#endif
 
 #define CHUNK 64
 #define WG 64  // work-items of a chunk kernel's work-group: one per chunk row or state column
@@ -413,12 +419,20 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
 // A work-item owns one state column h = S[:, j] (K_MAX floats in private memory) of one
 // (sequence, value head) and steps through the sequence's rows.
 
-// One step from h_{t-1}: h becomes h_t; hp gets a_t h_{t-1}. Returns the step's o_t (column j).
+// Step gate_at's decay of state row c < K: exp(g_t), or exp(g_tc) with PER_CHANNEL.
+static float row_decay(__global const float *g, long gate_at, int c, int K) {
+    return exp(PER_CHANNEL ? g[gate_at * K + c] : g[gate_at]);
+}
+
+// One step from h_{t-1}: h becomes h_t; hp gets a_t h_{t-1} (a_t per row with PER_CHANNEL).
+// Returns the step's o_t (column j).
 static float recurrent_step(float *h, float *hp, __global const qk_t *q, __global const qk_t *k,
-                            long qk_at, float a, float beta_t, float v_j, int K, float scale) {
+                            long qk_at, __global const float *g, long gate_at, float beta_t, float v_j, int K,
+                            float scale) {
+    const float a = PER_CHANNEL ? 0.0f : exp(g[gate_at]);
     float kh = 0.0f;
     for (int c = 0; c < K_MAX; ++c) {
-        hp[c] = a * h[c];
+        hp[c] = PER_CHANNEL ? (c < K ? row_decay(g, gate_at, c, K) * h[c] : 0.0f) : a * h[c];
         if (c < K) kh = fma(LOAD(QK_KIND, k, qk_at + c), hp[c], kh);
     }
     const float delta = DELTA ? beta_t * (v_j - kh) : v_j;
@@ -444,7 +458,7 @@ void recurrent_forward(__global const qk_t *q, __global const qk_t *k, __global 
     for (int c = 0; c < K_MAX; ++c) h[c] = c < K ? h0[state_at + (long)c * V] : 0.0f;
     for (long row = p.bos; row < p.eos; ++row) {
         const long gate_at = row * HV + p.head, v_at = gate_at * V + j;
-        const float out = recurrent_step(h, hp, q, k, (row * H + p.qk_head) * K, exp(g[gate_at]),
+        const float out = recurrent_step(h, hp, q, k, (row * H + p.qk_head) * K, g, gate_at,
                                          DELTA ? beta[gate_at] : 0.0f, LOAD(V_KIND, v, v_at), K, scale);
         STORE(V_KIND, o, v_at, out);
     }
@@ -460,7 +474,7 @@ void recurrent_forward(__global const qk_t *q, __global const qk_t *k, __global 
 //   DELTA: h_t = hp + beta err k, err = v_j - k.hp, with c = k.dh:
 //           dv_j = beta c, dbeta += err c, dk += beta err dh - beta c hp, dhp = dh - beta c k
 //   DELTA=0: h_t = hp + v_j k:  dv_j = c, dk += v_j dh, dhp = dh
-//   hp = a h_{t-1}:          dg += hp.dhp, dh = a dhp
+//   hp = a h_{t-1}:          dg += hp.dhp, dh = a dhp (PER_CHANNEL: dg_c = hp_c dhp_c, per row)
 __kernel __attribute__((reqd_work_group_size(VB, 1, 1)))
 void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global const v_t *v,
                         __global const float *g, __global const float *beta, __global const float *h0,
@@ -472,6 +486,7 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
                         int H, int HV, int K, int V, float scale, int rows) {
     __local float share_q[K_MAX][VB], share_k[K_MAX][VB];
     __local float share_g[VB], share_beta[VB];
+    __local float share_g_rows[PER_CHANNEL ? K_MAX : 1][VB];
 
     const uint lid = get_local_id(0);
     const place_t p = find_place(cu, H, HV, VB);
@@ -491,7 +506,7 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
             for (int c = 0; c < K; ++c) checkpoints[checkpoint_at + (long)c * V] = h[c];
         for (long row = c0; row < end; ++row) {
             const long gate_at = row * HV + p.head;
-            recurrent_step(h, hp, q, k, (row * H + p.qk_head) * K, exp(g[gate_at]), DELTA ? beta[gate_at] : 0.0f,
+            recurrent_step(h, hp, q, k, (row * H + p.qk_head) * K, g, gate_at, DELTA ? beta[gate_at] : 0.0f,
                            active ? LOAD(V_KIND, v, gate_at * V + j) : 0.0f, K, scale);
         }
     }
@@ -504,13 +519,13 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
         for (int c = 0; c < K_MAX; ++c) h[c] = active && c < K ? checkpoints[checkpoint_at + (long)c * V] : 0.0f;
         for (int t = 0; t < n; ++t) {
             const long gate_at = (c0 + t) * HV + p.head;
-            recurrent_step(h, hp, q, k, ((c0 + t) * H + p.qk_head) * K, exp(g[gate_at]),
+            recurrent_step(h, hp, q, k, ((c0 + t) * H + p.qk_head) * K, g, gate_at,
                            DELTA ? beta[gate_at] : 0.0f, active ? LOAD(V_KIND, v, gate_at * V + j) : 0.0f, K, scale);
             for (int c = 0; c < K_MAX; ++c) segment[((group * CHUNK + t) * K_MAX + c) * VB + lid] = hp[c];
         }
         for (int t = n - 1; t >= 0; --t) {
             const long row = c0 + t, gate_at = row * HV + p.head, qk_at = (row * H + p.qk_head) * K;
-            const float a = exp(g[gate_at]), beta_t = DELTA ? beta[gate_at] : 0.0f;
+            const float a = PER_CHANNEL ? 0.0f : exp(g[gate_at]), beta_t = DELTA ? beta[gate_at] : 0.0f;
             const float v_j = active ? LOAD(V_KIND, v, gate_at * V + j) : 0.0f;
             const float do_j = active ? do_[gate_at * V + j] : 0.0f;
             float kh = 0.0f, c_dh = 0.0f;
@@ -532,7 +547,8 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
                 share_k[c][lid] = DELTA ? beta_t * err * dh[c] - derr * hp[c] : v_j * dh[c];
                 dh[c] = fma(-derr, LOAD(QK_KIND, k, qk_at + c), dh[c]);
                 hp_dhp = fma(hp[c], dh[c], hp_dhp);
-                dh[c] *= a;
+                if (PER_CHANNEL) share_g_rows[PER_CHANNEL ? c : 0][lid] = hp[c] * dh[c];
+                dh[c] *= PER_CHANNEL ? row_decay(g, gate_at, c, K) : a;
             }
             share_g[lid] = hp_dhp;
             share_beta[lid] = err * c_dh;
@@ -546,6 +562,11 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
                 }
                 dq[((block_rows + row) * HV + p.head) * K + c] = sq;
                 dk[((block_rows + row) * HV + p.head) * K + c] = sk;
+                if (PER_CHANNEL) {
+                    float sg = 0.0f;
+                    for (int x = 0; x < VB; ++x) sg += share_g_rows[PER_CHANNEL ? c : 0][x];
+                    dg[((block_rows + row) * HV + p.head) * K + c] = sg;
+                }
             }
             if (lid == 0) {
                 float sg = 0.0f, sb = 0.0f;
@@ -553,7 +574,7 @@ void recurrent_backward(__global const qk_t *q, __global const qk_t *k, __global
                     sg += share_g[x];
                     sb += share_beta[x];
                 }
-                dg[(block_rows + row) * HV + p.head] = sg;
+                if (!PER_CHANNEL) dg[(block_rows + row) * HV + p.head] = sg;
                 if (DELTA) dbeta[(block_rows + row) * HV + p.head] = sb;
             }
             barrier(CLK_LOCAL_MEM_FENCE);

@@ -1,4 +1,5 @@
-"""Gated DeltaNet and gated linear attention as SYCL kernels (``linear_attention.cl``).
+"""Gated DeltaNet and gated linear attention as SYCL kernels (``linear_attention.cl``); the
+recurrent kernels also take Kimi Delta Attention's decay per key channel (``g [B, T, HV, K]``).
 
 Contract: ``torch_kernels.ops.linear_attention`` (the backend functions) and
 ``torch_kernels.reference.linear_attention`` (the math). Four kernels share one SPIR-V build per
@@ -65,9 +66,10 @@ def default_layout(k_dim: int, v_dim: int, local_bytes: int) -> Layout:
     raise NotImplementedError(f"sycl: K={k_dim} does not fit the device's {local_bytes} bytes of local memory")
 
 
-def _macros(qk_dtype: torch.dtype, v_dtype: torch.dtype, delta: bool, layout: Layout) -> dict[str, int]:
+def _macros(qk_dtype: torch.dtype, v_dtype: torch.dtype, delta: bool, layout: Layout,
+            per_channel: bool = False) -> dict[str, int]:
     return {"QK_KIND": _KINDS[qk_dtype], "V_KIND": _KINDS[v_dtype], "DELTA": int(delta),
-            "K_MAX": layout.k_max, "VB": layout.v_block}
+            "K_MAX": layout.k_max, "VB": layout.v_block, "PER_CHANNEL": int(per_channel)}
 
 
 def _supported(*tensors) -> None:
@@ -101,6 +103,7 @@ class _Problem:
     num_seqs: int
     layout: Layout
     macros: dict
+    per_channel: bool  # g [B, T, HV, K], a decay per key channel (the recurrent kernels only)
     inputs: list  # USM memories: q, k, v, g, beta, h0, cu
     chunk_first: torch.Tensor  # [N + 1] int32: each sequence's first chunk
 
@@ -127,13 +130,15 @@ def _problem(q, k, v, g, beta, initial_state, cu_seqlens) -> _Problem:
     chunks = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
     chunk_first = torch.cat([torch.zeros(1, dtype=torch.int32), chunks.cumsum(0).to(torch.int32)])
     layout = default_layout(k_dim, v_dim, _runtime.local_memory_bytes())
-    macros = _macros(q.dtype, v.dtype, beta is not None, layout)
+    per_channel = g is not None and g.dim() == 4
+    macros = _macros(q.dtype, v.dtype, beta is not None, layout, per_channel)
     gates = (batch, length, value_heads)
     g = torch.zeros(gates) if g is None else g.float()
     beta = torch.zeros(1) if beta is None else beta.float()  # unused by the linear attention build
     h0 = torch.zeros(num_seqs, value_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
     inputs = [_runtime.usm_copy(t.contiguous())[0] for t in (q, k, v, g, beta, h0, offsets)]
-    return _Problem(batch, length, heads, value_heads, k_dim, v_dim, num_seqs, layout, macros, inputs, chunk_first)
+    return _Problem(batch, length, heads, value_heads, k_dim, v_dim, num_seqs, layout, macros, per_channel, inputs,
+                    chunk_first)
 
 
 def _sizes(p: _Problem) -> list:
@@ -160,11 +165,12 @@ def _backward(name: str, do, dht, q, k, v, g, beta, scale, initial_state, cu_seq
     chunked = name == "chunk_backward"
     local = CHUNK if chunked else p.layout.v_block
     blocks, rows, hv = p.blocks, p.rows, p.value_heads
+    decay_channels = (p.k_dim,) if p.per_channel else ()
     grads = {
         "dq": _runtime.usm_empty((blocks, rows, hv, p.k_dim), torch.float32),
         "dk": _runtime.usm_empty((blocks, rows, hv, p.k_dim), torch.float32),
         "dv": _runtime.usm_empty((rows, hv, p.v_dim), torch.float32),
-        "dg": _runtime.usm_empty((blocks, rows, hv), torch.float32),
+        "dg": _runtime.usm_empty((blocks, rows, hv, *decay_channels), torch.float32),
         "dbeta": _runtime.usm_empty((blocks, rows, hv), torch.float32),
         "dh0": _runtime.usm_empty(p.state_shape(), torch.float32),
     }
@@ -186,7 +192,7 @@ def _backward(name: str, do, dht, q, k, v, g, beta, scale, initial_state, cu_seq
     b, t, h, group = p.batch, p.length, p.heads, hv // p.heads
     dq, dk = (grads[n][1].sum(0).view(b, t, h, group, p.k_dim).sum(3) for n in ("dq", "dk"))
     dv = grads["dv"][1].view(b, t, hv, p.v_dim)
-    dg = grads["dg"][1].sum(0).view(b, t, hv) if g is not None else None
+    dg = grads["dg"][1].sum(0).view(b, t, hv, *decay_channels) if g is not None else None
     dbeta = grads["dbeta"][1].sum(0).view(b, t, hv) if beta is not None else None
     dh0 = grads["dh0"][1] if initial_state is not None else None
     return dq, dk, dv, dg, dbeta, dh0
@@ -235,6 +241,9 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
 
 
 def spirv_binaries() -> list[bytes]:
-    """The SPIR-V modules for K = V = 128, every input dtype, delta rule and linear attention."""
+    """The SPIR-V modules for K = V = 128, every input dtype, delta rule and linear attention, and
+    the delta rule with a per-channel decay in float32."""
     layout = default_layout(128, 128, 256 * 1024)
-    return [_runtime.spirv(SOURCE, _macros(dtype, dtype, delta, layout)) for dtype in _KINDS for delta in (True, False)]
+    builds = [_macros(dtype, dtype, delta, layout) for dtype in _KINDS for delta in (True, False)]
+    builds.append(_macros(torch.float32, torch.float32, True, layout, per_channel=True))
+    return [_runtime.spirv(SOURCE, macros) for macros in builds]

@@ -10,6 +10,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest  # noqa: E402  (after the path set-up above)
 
 
+def _share_the_cores_between_workers() -> None:
+    """One xdist worker per core gets one intra-op thread: two workers of two threads each on two
+    cores spin in each other's way (the SmolLM2 serving tests ran several times slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the tests' subprocesses too
+
+
+_share_the_cores_between_workers()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (float32) and its tokenizer, loaded once per test process; the tests

@@ -60,7 +60,7 @@ def test_sycl_linear_attention_builds_spirv():
     from oneapi_impl import linear_attention
 
     binaries = linear_attention.spirv_binaries()
-    assert len(binaries) == 6  # three dtypes, delta rule and gated linear attention
+    assert len(binaries) == 7  # three dtypes, delta rule and gated linear attention; KDA's per-channel decay
     for spv in binaries:
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 

@@ -305,6 +305,21 @@ with env:
                                              cu_seqlens=torch.tensor([0, 5]).to("jax"))
     with pytest.raises(NotImplementedError, match="torchax tensors run"):
         torch_kernels.chunk_simple_gla(jq, jk, jv, implementation="triton")
+    # Kimi Delta Attention's step form (g per key channel), against its float64 definition
+    import test_linear_attention_kda as kda
+    x = kda.make_inputs(length=20, heads=2, k_dim=8, v_dim=8, cu_seqlens=[0, 7, 20])
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: x[n].to("jax").requires_grad_() for n in names}
+    o, ht = torch_kernels.fused_recurrent_kda(**{**x, **leaves, "cu_seqlens": x["cu_seqlens"].to("jax")},
+                                             output_final_state=True, implementation="pallas")
+    assert type(o).__module__.startswith("torchax"), type(o)
+    torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+    want_leaves = {n: x[n].double().requires_grad_() for n in names}
+    want_o, want_ht = kda.definition({**x, **want_leaves})
+    torch.autograd.backward([want_o, want_ht], [torch.ones_like(want_o), torch.ones_like(want_ht)])
+    for name, got, want in [("o", o.detach().to("cpu"), want_o), ("final_state", ht.detach().to("cpu"), want_ht),
+                            *((f"d{n}", leaves[n].grad.to("cpu"), want_leaves[n].grad) for n in names)]:
+        assert kda.relative_rmse(got, want) <= 1e-5, name
 print("torchax ok")
 """
 

@@ -13,6 +13,7 @@ come from the op families: each module of ``torch_kernels.ops`` lists its public
 from . import backends, families
 from .backends import available_backends, unavailable_reasons, use_backend
 from . import ood
+from . import profiling
 from .profiling import calibrate_device, profile
 from .autotune import autotune
 
@@ -63,3 +64,14 @@ __all__ = [
 ]
 del _family_exports
 __version__ = "0.1.0"
+
+
+def _telemetry_from_the_environment() -> None:
+    """``TORCH_KERNELS_TELEMETRY=1`` turns the always-on telemetry on at import (``profile.continuous()``)."""
+    import os
+
+    if os.environ.get(profiling.ENV_TELEMETRY, "0").strip() not in ("", "0"):
+        profile.continuous()
+
+
+_telemetry_from_the_environment()

@@ -1,4 +1,5 @@
-"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``serve`` | ``goodput`` | ``bench [args]``."""
+"""Command line: ``python -m torch_kernels doctor`` | ``demo`` | ``serve`` | ``goodput`` | ``bench [args]``
+(``bench compare`` and ``bench bisect`` read the benchmark history back)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def main(argv=None) -> int:
     goodput.add_argument("--pooling", choices=("mean", "last"), default=None,
                          help="over the prompt's tokens (default: torch_kernels.goodput.POOLING)")
     goodput.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
+    bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout); bench compare | bisect | "
+                                          "false-alarms read their history back (benchmarks/history.py)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
 

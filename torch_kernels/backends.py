@@ -65,8 +65,8 @@ DEVICE_DEFAULTS = {
 log = logging.getLogger("torch_kernels")
 _REFERENCE_ONLY = ("reference",)
 _profiler = torch.autograd.profiler
-# told (op, backend) after each kernel that ran while the profiler is on; set by torch_kernels.profile
-_observer: Callable[[str, str], None] | None = None
+# told the backend after each kernel that ran; set while torch_kernels.profile or its telemetry records
+_observer: Callable[[str], None] | None = None
 
 
 def _probe_reference() -> str | None:
@@ -270,10 +270,10 @@ def dispatch(op: str, device_type: str, implementation: str | None, *args):
             if _profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"torch_kernels::{op}[{backend}]"):
                     out = fn(*args)
-                if _observer is not None:
-                    _observer(op, backend)
             else:
                 out = fn(*args)
+            if _observer is not None:
+                _observer(backend)
         except NotImplementedError as e:
             message = str(e)  # kernels usually name their backend already
             why.append(message if message.startswith(f"{backend}:") else f"{backend}: {message}")

@@ -7,6 +7,8 @@ prints one row per op and backend: calls, total and mean time, achieved FLOP/s a
 their fractions of the device's peaks, which :func:`calibrate_device` measures once per device
 (copy bandwidth and matmul rate) and caches. ``prof.export_chrome_trace(path)`` (or ``trace=``)
 writes the Chrome trace, where each kernel appears as ``torch_kernels::<op>[<backend>]``.
+``torch_kernels.profile.continuous()`` records the same per call, always on, in a bounded ring
+(:class:`Telemetry`); its ``snapshot()`` gives the last seconds as this table, rows or a trace.
 
 How a call is timed: the op's own kernel is swapped for a timed one while the block runs
 (``_library.kernels_replaced_by``), so outside it nothing changes and nothing is checked. The
@@ -20,7 +22,9 @@ trace, and a range covers the backend kernel only, not the op the formulas descr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import os
 import pathlib
 import platform
@@ -35,7 +39,8 @@ import torch
 from . import _library, backends
 from ._cache import cache_dir, read_json, write_json
 
-__all__ = ["profile", "calibrate_device", "DevicePeaks", "device_name"]
+__all__ = ["profile", "calibrate_device", "DevicePeaks", "device_name", "Telemetry", "Snapshot", "continuous",
+           "snapshot", "telemetry", "summarize", "format_table"]
 
 CACHE_FILE = "device_peaks.json"
 NO_KERNEL = "torch"  # the backend column of a call that ran no backend kernel (plain PyTorch in the op)
@@ -175,22 +180,30 @@ class _Call:
     bytes: int | None = None
 
 
-_local = threading.local()  # each thread's stack of op calls in progress (a kernel may call another op)
+# each thread's stack of op calls in progress (a kernel may call another op): each call's list of the
+# backends that ran for it, which backends.dispatch fills through _observe
+_local = threading.local()
 _active_lock = threading.Lock()
 _active: profile | None = None
 
 
-def _open_calls() -> list[_Call]:
-    stack = getattr(_local, "calls", None)
-    if stack is None:
+def _open_calls() -> list[list[str]]:
+    try:
+        return _local.calls
+    except AttributeError:
         stack = _local.calls = []
-    return stack
+        return stack
 
 
-def _observe(op: str, backend: str) -> None:
+def _observe(backend: str) -> None:
     stack = getattr(_local, "calls", None)
     if stack:
-        stack[-1].backends.append(backend)
+        stack[-1].append(backend)
+
+
+def _set_observer() -> None:
+    """Have backends.dispatch report the backends while a profile or the telemetry records, else not."""
+    backends._observer = _observe if _active is not None or _telemetry is not None else None
 
 
 def _ratio(numerator, denominator) -> float | None:
@@ -268,7 +281,6 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
     def _close(self, exc_type, exc, tb) -> None:
         global _active
         try:
-            backends._observer = None
             if self._kernels is not None:
                 self._kernels.__exit__(None, None, None)  # restores the kernels; the error is the caller's
                 self._kernels = None
@@ -279,6 +291,7 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
         finally:
             with _active_lock:
                 _active = None
+            _set_observer()
 
     def _timed(self, op: torch._ops.OpOverload, kernel: Callable) -> Callable:
         """``kernel`` recording each call: its time, backends and cost."""
@@ -290,7 +303,7 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
             device = _device_of(args)
             call = _Call(name, device, _Timer(device))
             stack = _open_calls()
-            stack.append(call)
+            stack.append(call.backends)
             try:
                 out = kernel(*args, **kwargs)
             finally:
@@ -300,6 +313,9 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
                 arguments = _library.bind_arguments(op, args, kwargs)
                 call.flops, call.bytes = cost.flops(arguments, out), cost.bytes(arguments, out)
             calls.append(call)
+            telemetry = _telemetry  # running too: the call goes to its ring as well, costs already known
+            if telemetry is not None:
+                telemetry._add_profiled(call, args)
             return out
 
         timed_kernel.__name__ = f"{name}_timed"
@@ -310,58 +326,12 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
         if self.calibrate:
             for device, name in names.items():
                 self.peaks.setdefault(name, calibrate_device(device))
-        groups: dict[tuple[str, str, str], dict] = {}
-        for call in self._calls:
-            backend = "+".join(dict.fromkeys(call.backends)) or NO_KERNEL
-            device = names[call.device]
-            row = groups.setdefault((call.op, backend, device), {
-                "op": call.op, "backend": backend, "device": device, "calls": 0, "seconds": 0.0,
-                "flops": 0, "bytes": 0})
-            row["calls"] += 1
-            row["seconds"] += call.timer.seconds()
-            for key in ("flops", "bytes"):
-                value = getattr(call, key)
-                row[key] = None if value is None or row[key] is None else row[key] + value
-        rows = []
-        for row in sorted(groups.values(), key=lambda r: -r["seconds"]):
-            peaks = self.peaks.get(row["device"])
-            flops_per_s, bytes_per_s = _ratio(row["flops"], row["seconds"]), _ratio(row["bytes"], row["seconds"])
-            rows.append({**row, "mean_seconds": row["seconds"] / row["calls"],
-                         "flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s,
-                         "peak_flops_fraction": _ratio(flops_per_s, peaks and peaks.flops_per_s),
-                         "peak_bandwidth_fraction": _ratio(bytes_per_s, peaks and peaks.bytes_per_s)})
-        return rows
+        return summarize(((call.op, "+".join(dict.fromkeys(call.backends)) or NO_KERNEL, names[call.device],
+                           call.timer.seconds(), call.flops, call.bytes) for call in self._calls), self.peaks)
 
     def table(self) -> str:
         """The rows as a text table, slowest first, with each device's peaks above it."""
-        if not self.rows:
-            return "torch_kernels profile: no torch_kernels op ran"
-        devices = list(dict.fromkeys(row["device"] for row in self.rows))
-        lines = [f"torch_kernels profile: {sum(r['calls'] for r in self.rows)} op calls"]
-        for device in devices:
-            peaks = self.peaks.get(device)
-            lines.append(f"  {device}: " + ("peaks not calibrated" if peaks is None else
-                         f"peaks {peaks.flops_per_s / 1e9:,.1f} GFLOP/s ({peaks.matmul_dtype} matmul), "
-                         f"{peaks.bytes_per_s / 1e9:,.1f} GB/s (copy)"))
-        tera = max((r["flops_per_s"] or 0) for r in self.rows) >= 1e12
-        unit, scale = ("TFLOP/s", 1e12) if tera else ("GFLOP/s", 1e9)
-        header = ["op", "backend", *(["device"] if len(devices) > 1 else []), "calls", "total ms", "mean us",
-                  unit, "GB/s", "% peak FLOP/s", "% peak GB/s"]
-
-        def number(value, factor, digits):
-            return "-" if value is None else f"{value * factor:,.{digits}f}"
-
-        body = [[r["op"], r["backend"], *([r["device"]] if len(devices) > 1 else []), str(r["calls"]),
-                 number(r["seconds"], 1e3, 3), number(r["mean_seconds"], 1e6, 1),
-                 number(r["flops_per_s"], 1 / scale, 3), number(r["bytes_per_s"], 1e-9, 3),
-                 number(r["peak_flops_fraction"], 100, 1), number(r["peak_bandwidth_fraction"], 100, 1)]
-                for r in self.rows]
-        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-        text_columns = 3 if len(devices) > 1 else 2
-        for line in [header, *body]:
-            lines.append("  ".join(cell.ljust(w) if i < text_columns else cell.rjust(w)
-                                   for i, (cell, w) in enumerate(zip(line, widths))).rstrip())
-        return "\n".join(lines)
+        return format_table(self.rows, self.peaks, "torch_kernels profile")
 
     def __str__(self) -> str:
         return self.table()
@@ -373,3 +343,444 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
             return
         self.profiler.export_chrome_trace(str(path))
         self._trace_written = pathlib.Path(path).resolve()
+
+
+# ---- always-on telemetry ----
+
+ENV_TELEMETRY = "TORCH_KERNELS_TELEMETRY"
+_telemetry: Telemetry | None = None
+_Tensor = torch.Tensor
+
+
+INDEX_NUMEL = 256  # integer tensors up to this size are kept, for formulas that read them (offsets, lengths)
+COST_MEMO = 4096  # distinct call signatures whose FLOPs and bytes a telemetry remembers
+
+
+def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
+    """``describe(args)``: what the cost formulas need later, holding no tensor of data: each tensor
+    argument as ``(shape, dtype)``, other arguments as they are. Integer tensors of at most
+    ``INDEX_NUMEL`` elements (offsets, sequence lengths, which formulas read) are kept themselves.
+
+    The hot path of the telemetry: per op and number of arguments (the dispatcher leaves trailing
+    defaults out), a function generated from the schema and the first call's argument types, so a
+    call costs the attribute reads and nothing else.
+    """
+    kinds = []
+    for argument in op._schema.arguments:
+        kind, optional = argument.type, isinstance(argument.type, torch.OptionalType)
+        if optional:
+            kind = kind.getElementType()
+        if isinstance(kind, torch.ListType):
+            if "Tensor" in str(kind.getElementType()):
+                return lambda args: tuple(_metadata(a) for a in args)
+            kinds.append("list")
+        elif isinstance(kind, torch.TensorType):
+            kinds.append("optional" if optional else "tensor")
+        else:
+            kinds.append("value")
+    made: dict[int, Callable] = {}
+
+    def generated(args: tuple) -> Callable:
+        fields = []
+        for i, kind in enumerate(kinds[:len(args)]):
+            t = f"a[{i}]"
+            if kind in ("tensor", "optional"):
+                index = isinstance(args[i], _Tensor) and not (args[i].is_floating_point() or args[i].is_complex())
+                field = f"({t} if {t}.numel() <= {INDEX_NUMEL} else ({t}.shape, {t}.dtype))" if index \
+                    else f"({t}.shape, {t}.dtype)"
+                fields.append(f"(None if {t} is None else {field})" if kind == "optional" else field)
+            else:
+                fields.append(f"_metadata({t})" if kind == "list" else t)
+        return eval(f"lambda a: ({', '.join(fields)}{',' if len(fields) == 1 else ''})",  # noqa: S307 - our own text
+                    {"_metadata": _metadata})
+
+    def describe(args: tuple) -> tuple:
+        try:
+            return made[len(args)](args)
+        except KeyError:
+            if len(args) > len(kinds):
+                return tuple(_metadata(a) for a in args)
+            fn = made[len(args)] = generated(args)
+            return fn(args)
+
+    return describe
+
+
+def _metadata(value):
+    if isinstance(value, _Tensor):
+        if not (value.is_floating_point() or value.is_complex()) and value.numel() <= INDEX_NUMEL:
+            return value
+        return value.shape, value.dtype
+    if isinstance(value, (list, tuple)):  # kept as a tuple: the caller may change its list later
+        return tuple(_metadata(v) for v in value)
+    return value
+
+
+def _is_metadata(value) -> bool:
+    return type(value) is tuple and len(value) == 2 and type(value[0]) is torch.Size
+
+
+def _on_meta(value, keep_index: bool):
+    """A recorded argument back as an argument: a meta tensor of its shape and dtype for a tensor; a kept
+    index tensor itself when ``keep_index`` (for the formulas), else on meta too (for the fake kernel)."""
+    if _is_metadata(value):
+        return torch.empty(value[0], dtype=value[1], device="meta")
+    if isinstance(value, _Tensor):
+        return value if keep_index else torch.empty_like(value, device="meta")
+    if isinstance(value, tuple):
+        return [_on_meta(v, keep_index) for v in value]
+    return value
+
+
+def _hashable(value):
+    if isinstance(value, _Tensor):
+        return value.shape, value.dtype, tuple(value.reshape(-1).tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _shapes_dtypes_arguments(meta: tuple) -> tuple[list, list, list]:
+    """The tensor arguments' shapes and dtypes, and the other arguments given (not None), in order."""
+    shapes, dtypes, others = [], [], []
+    for value in meta or ():  # None: recorded without shapes
+        items = value if isinstance(value, tuple) and value and all(
+            _is_metadata(v) or isinstance(v, _Tensor) for v in value) else (value,)
+        for item in items:
+            if isinstance(item, _Tensor):
+                item = item.shape, item.dtype
+            if _is_metadata(item):
+                shapes.append(list(item[0]))
+                dtypes.append(str(item[1]).removeprefix("torch."))
+            elif item is not None:
+                others.append(list(item) if isinstance(item, tuple) else item)
+    return shapes, dtypes, others
+
+
+class Telemetry:
+    """Always-on op telemetry: a bounded ring of every ``torch_kernels`` op call, read on demand.
+
+    Started by :meth:`profile.continuous` (or ``TORCH_KERNELS_TELEMETRY=1`` at import); see there.
+    Each call adds one record: the op, the backends that ran it, the tensor arguments' shapes and
+    dtypes, the other arguments, and its start and end on the host clock, or on an accelerator two
+    device events recorded around the call on the current stream, read only when a snapshot is
+    taken (no sync per call). FLOPs and bytes are worked out at snapshot time from the recorded
+    shapes (the op's formulas on meta tensors, once per distinct signature). Formulas that read
+    tensor values (expert offsets, sequence lengths) read the integer tensors of at most
+    ``INDEX_NUMEL`` elements, which the record keeps (a snapshot copies them to the host; a caller
+    that overwrites one in place before the snapshot gets the cost of the new values); where such a
+    tensor is larger, the formula cannot run on its shape alone and the cost is ``None``.
+
+    Args:
+        seconds: the window a snapshot reads by default; older calls are dropped when one is taken.
+        max_events: the most calls the ring holds (the oldest go first), which bounds its memory.
+        shapes: record the arguments (shapes, dtypes, the rest) for the shapes column and the costs;
+            ``False`` records op, backend and time only, for the least cost per call.
+    """
+
+    def __init__(self, seconds: float = 90.0, max_events: int = 100_000, shapes: bool = True):
+        if not seconds > 0:
+            raise ValueError(f"seconds: expected a positive window, got {seconds}")
+        if not (isinstance(max_events, int) and max_events > 0):
+            raise ValueError(f"max_events: expected a positive int, got {max_events!r}")
+        self.seconds = float(seconds)
+        self.max_events = max_events
+        self.shapes = bool(shapes)
+        self._ring: collections.deque = collections.deque(maxlen=max_events)
+        self._kernels = None
+        self._costs: dict[tuple, tuple[int | None, int | None]] = {}
+        self._clock_offset = time.time() - time.perf_counter()  # host clock -> Unix time
+
+    @property
+    def running(self) -> bool:
+        """Whether this telemetry is recording."""
+        return _telemetry is self
+
+    def _start(self) -> Telemetry:
+        global _telemetry
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError("torch_kernels.profile.continuous: start the telemetry outside a profile block")
+            previous, _telemetry = _telemetry, None
+            if previous is not None:
+                previous._release()
+            self._kernels = _library.kernels_replaced_by(self._recording)
+            self._kernels.__enter__()
+            _telemetry = self
+        _set_observer()
+        return self
+
+    def stop(self) -> None:
+        """Stop recording (the ring stays readable); the ops run exactly as defined again."""
+        global _telemetry
+        with _active_lock:
+            if _telemetry is self:
+                _telemetry = None
+            self._release()
+        _set_observer()
+
+    def _release(self) -> None:
+        if self._kernels is not None:
+            self._kernels.__exit__(None, None, None)
+            self._kernels = None
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _recording(self, op: torch._ops.OpOverload, kernel: Callable) -> Callable:
+        """``kernel`` adding a record of each call to the ring: the hot path, kept to a few lookups."""
+        name = op._opname
+        describe = _describer(op)
+        shapes = self.shapes
+        append = self._ring.append
+        clock = time.perf_counter
+        tensor_positions = [i for i, a in enumerate(op._schema.arguments) if isinstance(a.type, torch.TensorType)]
+        first = tensor_positions[0] if tensor_positions else None
+        local = _local
+
+        def recorded(*args, **kwargs):
+            frame: list[str] = []
+            try:
+                stack = local.calls
+            except AttributeError:
+                stack = _open_calls()
+            stack.append(frame)
+            if first is None or args[first].is_cpu:
+                start = clock()
+                try:
+                    out = kernel(*args, **kwargs)
+                finally:
+                    stack.pop()
+                append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None, None))
+                return out
+            device = args[first].device
+            begin, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
+            start = clock()
+            begin.record()
+            try:
+                out = kernel(*args, **kwargs)
+            finally:
+                stack.pop()
+            end.record()
+            append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None,
+                    (device, begin, end, None)))
+            return out
+
+        recorded.__name__ = f"{name}_recorded"
+        return recorded
+
+    def _add_profiled(self, call: _Call, args: tuple) -> None:
+        """A call a profile block timed (its kernels replace these while it runs), costs included."""
+        now = time.perf_counter()
+        timing = None if call.device.type == "cpu" else (call.device, call.timer.begin, call.timer.end, call)
+        start = call.timer.begin if timing is None else now
+        end = call.timer.end if timing is None else now
+        self._ring.append((call.op, start, end, call.backends, tuple(_metadata(a) for a in args), None, timing))
+
+    def _cost(self, name: str, meta: list, kwargs: dict | None) -> tuple[int | None, int | None]:
+        key = (name, _hashable(meta), _hashable(sorted((kwargs or {}).items())))
+        known = self._costs.get(key)
+        if known is None:
+            if len(self._costs) >= COST_MEMO:  # bounded too: a long run may see many distinct shapes
+                self._costs.clear()
+            known = self._costs[key] = _cost_on_meta(name, meta, kwargs or {})
+        return known
+
+    def events(self, seconds: float | None = None) -> list[dict]:
+        """The raw records of the calls that ended in the last ``seconds`` (default: the window), oldest
+        first, each a dict: op, backend, device, start (Unix time), seconds, the tensor arguments' shapes and
+        dtypes, the other arguments given (``arguments``), flops, bytes.
+        Calls whose device work has not finished yet are left out (a later snapshot has them)."""
+        window = self.seconds if seconds is None else seconds
+        cutoff = time.perf_counter() - window
+        while self._ring and self._ring[0][2] < time.perf_counter() - self.seconds:  # past the window for good
+            try:
+                self._ring.popleft()
+            except IndexError:
+                break
+        names: dict = {}
+        rows = []
+        for name, start, end, frame, meta, kwargs, timing in list(self._ring):
+            if end < cutoff:
+                continue
+            if timing is None:
+                device, seconds_taken = "cpu", end - start
+            else:
+                device, begin, stop, profiled = timing
+                if not stop.query():
+                    continue
+                seconds_taken = begin.elapsed_time(stop) / 1e3
+            if device not in names:
+                names[device] = device_name(device)
+            shapes, dtypes, others = _shapes_dtypes_arguments(meta)
+            if timing is not None and timing[3] is not None:
+                flops, nbytes = timing[3].flops, timing[3].bytes
+            else:
+                flops, nbytes = self._cost(name, meta, kwargs)
+            rows.append({"op": name, "backend": "+".join(dict.fromkeys(frame)) or NO_KERNEL, "device": names[device],
+                         "start": start + self._clock_offset, "seconds": seconds_taken, "shapes": shapes,
+                         "dtypes": dtypes, "arguments": others, "flops": flops, "bytes": nbytes})
+        return rows
+
+    def snapshot(self, seconds: float | None = None, calibrate: bool = False) -> Snapshot:
+        """The last ``seconds`` (default: the whole window) as a :class:`Snapshot`: ``print()`` it for the
+        table :class:`profile` prints, ``.rows`` for that table's rows, ``.events`` for the raw records,
+        ``.export_chrome_trace(path)`` for a Chrome trace. ``calibrate``: fractions of the device's peaks
+        (:func:`calibrate_device`, measured the first time a device is seen)."""
+        return Snapshot(self.events(seconds), calibrate)
+
+
+def _cost_on_meta(name: str, meta: list, kwargs: dict) -> tuple[int | None, int | None]:
+    definition, cost = _library._definitions.get(name), _library.cost_of(name)
+    if definition is None or cost is None or meta is None:
+        return None, None
+    try:
+        with _library._below_autograd():  # to the op's fake kernel, not the recording one
+            out = definition.op(*[_on_meta(value, False) for value in meta], **kwargs)
+    except Exception:  # noqa: BLE001 - an output the fake kernel cannot size from shapes alone
+        out = None
+    bound = _library.bind_arguments(definition.op, tuple(_on_meta(value, True) for value in meta), kwargs)
+    values = []
+    for formula in (cost.flops, cost.bytes):
+        try:
+            values.append(int(formula(bound, out)))
+        except Exception:  # noqa: BLE001 - a formula that reads tensor values
+            values.append(None)
+    return values[0], values[1]
+
+
+class Snapshot:
+    """What :meth:`Telemetry.snapshot` returns: the calls of a time window as a table, rows, raw
+    records (``events``) and a Chrome trace."""
+
+    def __init__(self, events: list[dict], calibrate: bool = False):
+        self.events = events
+        self.peaks: dict[str, DevicePeaks] = {}
+        if calibrate:
+            for device in {e["device"] for e in events}:
+                self.peaks[device] = calibrate_device(_device_named(device))
+        self.rows = summarize(((e["op"], e["backend"], e["device"], e["seconds"], e["flops"], e["bytes"])
+                               for e in events), self.peaks)
+
+    def table(self) -> str:
+        """The rows as the text table ``print(profile)`` shows."""
+        return format_table(self.rows, self.peaks, "torch_kernels telemetry")
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def chrome_trace(self) -> dict:
+        """The calls as Chrome trace events (``chrome://tracing``, Perfetto), one track per device."""
+        devices = {name: i for i, name in enumerate(dict.fromkeys(e["device"] for e in self.events))}
+        trace = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+                 for name, pid in devices.items()]
+        trace += [{"name": f"torch_kernels::{e['op']}[{e['backend']}]", "ph": "X", "pid": devices[e["device"]],
+                   "tid": 0, "ts": e["start"] * 1e6, "dur": e["seconds"] * 1e6,
+                   "args": {key: e[key] for key in ("shapes", "dtypes", "flops", "bytes")}} for e in self.events]
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+    def export_chrome_trace(self, path: str | os.PathLike) -> None:
+        """Write :meth:`chrome_trace` to ``path`` as JSON."""
+        pathlib.Path(path).write_text(json.dumps(self.chrome_trace()))
+
+
+def _device_named(name: str) -> torch.device:
+    return torch.device(name.split(":", 1)[0])
+
+
+def continuous(seconds: float = 90.0, max_events: int = 100_000, shapes: bool = True) -> Telemetry:
+    """Turn the always-on telemetry on: every ``torch_kernels`` op call from now on is recorded in a
+    ring of at most ``max_events`` calls, of which a snapshot reads the last ``seconds``.
+
+    >>> telemetry = torch_kernels.profile.continuous(seconds=90)
+    >>> ...                                   # serve, train
+    >>> print(telemetry.snapshot(10))         # the last 10 s, as the profile table
+
+    Memory stays bounded however long it runs: the ring drops its oldest calls, and a record holds
+    shapes, not tensors, but for small integer tensors (at most ``INDEX_NUMEL`` elements each, see
+    :class:`Telemetry`), usually the same few objects shared by many calls. Per op call on the CPU
+    it costs about 1 us plus 0.3 us per tensor argument on a busy 2-core machine
+    (benchmarks/telemetry.py), most of it reading the tensors' shapes and dtypes; ``shapes=False``
+    records op, backend and time only (so no FLOPs or bytes) for under 1 us. On accelerators it
+    adds two device events per call and never syncs. Off, it costs nothing: the ops run exactly as
+    defined, and backends.dispatch checks one flag. A second call replaces the running telemetry;
+    ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile block started
+    while it runs feeds it too; start it outside one. Ops are the ones defined when it
+    starts.
+    """
+    return Telemetry(seconds, max_events, shapes)._start()
+
+
+def telemetry() -> Telemetry | None:
+    """The running telemetry (:func:`continuous`), or None."""
+    return _telemetry
+
+
+def snapshot(seconds: float | None = None, calibrate: bool = False) -> Snapshot:
+    """The running telemetry's :meth:`Telemetry.snapshot`; a RuntimeError when it is off."""
+    if _telemetry is None:
+        raise RuntimeError("torch_kernels.profile.snapshot: the telemetry is off (torch_kernels.profile.continuous())")
+    return _telemetry.snapshot(seconds, calibrate)
+
+
+profile.continuous = staticmethod(continuous)
+profile.snapshot = staticmethod(snapshot)
+profile.telemetry = staticmethod(telemetry)
+
+
+def summarize(calls: Iterable[tuple], peaks: dict[str, DevicePeaks]) -> list[dict]:
+    """The table's rows, slowest first, from ``(op, backend, device name, seconds, flops, bytes)`` per call
+    (flops or bytes ``None`` where unknown): one row per op, backend and device, with achieved rates and
+    their fractions of ``peaks[device name]`` where given."""
+    groups: dict[tuple[str, str, str], dict] = {}
+    for op, backend, device, seconds, flops, nbytes in calls:
+        row = groups.setdefault((op, backend, device), {
+            "op": op, "backend": backend, "device": device, "calls": 0, "seconds": 0.0, "flops": 0, "bytes": 0})
+        row["calls"] += 1
+        row["seconds"] += seconds
+        for key, value in (("flops", flops), ("bytes", nbytes)):
+            row[key] = None if value is None or row[key] is None else row[key] + value
+    rows = []
+    for row in sorted(groups.values(), key=lambda r: -r["seconds"]):
+        device_peaks = peaks.get(row["device"])
+        flops_per_s, bytes_per_s = _ratio(row["flops"], row["seconds"]), _ratio(row["bytes"], row["seconds"])
+        rows.append({**row, "mean_seconds": row["seconds"] / row["calls"],
+                     "flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s,
+                     "peak_flops_fraction": _ratio(flops_per_s, device_peaks and device_peaks.flops_per_s),
+                     "peak_bandwidth_fraction": _ratio(bytes_per_s, device_peaks and device_peaks.bytes_per_s)})
+    return rows
+
+
+def format_table(rows: list[dict], peaks: dict[str, DevicePeaks], title: str) -> str:
+    """``rows`` (:func:`summarize`'s) as the text table ``print(profile)`` shows, each device's peaks above it."""
+    if not rows:
+        return f"{title}: no torch_kernels op ran"
+    devices = list(dict.fromkeys(row["device"] for row in rows))
+    lines = [f"{title}: {sum(r['calls'] for r in rows)} op calls"]
+    for device in devices:
+        device_peaks = peaks.get(device)
+        lines.append(f"  {device}: " + ("peaks not calibrated" if device_peaks is None else
+                     f"peaks {device_peaks.flops_per_s / 1e9:,.1f} GFLOP/s ({device_peaks.matmul_dtype} matmul), "
+                     f"{device_peaks.bytes_per_s / 1e9:,.1f} GB/s (copy)"))
+    tera = max((r["flops_per_s"] or 0) for r in rows) >= 1e12
+    unit, scale = ("TFLOP/s", 1e12) if tera else ("GFLOP/s", 1e9)
+    header = ["op", "backend", *(["device"] if len(devices) > 1 else []), "calls", "total ms", "mean us",
+              unit, "GB/s", "% peak FLOP/s", "% peak GB/s"]
+
+    def number(value, factor, digits):
+        return "-" if value is None else f"{value * factor:,.{digits}f}"
+
+    body = [[r["op"], r["backend"], *([r["device"]] if len(devices) > 1 else []), str(r["calls"]),
+             number(r["seconds"], 1e3, 3), number(r["mean_seconds"], 1e6, 1),
+             number(r["flops_per_s"], 1 / scale, 3), number(r["bytes_per_s"], 1e-9, 3),
+             number(r["peak_flops_fraction"], 100, 1), number(r["peak_bandwidth_fraction"], 100, 1)]
+            for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    text_columns = 3 if len(devices) > 1 else 2
+    for line in [header, *body]:
+        lines.append("  ".join(cell.ljust(w) if i < text_columns else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths))).rstrip())
+    return "\n".join(lines)

@@ -61,6 +61,11 @@ write and read, which cancel exactly, left out); ``dg`` is the reverse cumulativ
 (``reverse_cumsum_kernel``), in which the pairs on one side of t cancel. No exponential of a
 cumulative decay is ever formed.
 
+Kimi Delta Attention (``PER_CHANNEL``, the recurrent kernels only): ``g`` holds a log decay per
+key channel, row c of the state is multiplied by ``exp(g_tc)``, and each ``dL/dB`` term above is
+kept per channel (a per-head decay's is the sum of those over K), so ``dg`` is the same reverse
+cumulative sum taken per channel.
+
 Precision: as the reference's, whatever the inputs' dtype: float32 states, intermediates and
 accumulation, and q, k normalized in float32 (``use_qk_l2norm``). On a GPU every product with a
 float32 operand (a state or its gradient, a decayed or solved tile, ``T``, ``W``) is tf32x3
@@ -674,17 +679,39 @@ def _recurrent_program(cu_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
+def _step_decay(g_ptr, t, hv, dims, k_ok, HV: tl.constexpr, K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                ACCURATE_EXP: tl.constexpr):
+    """``exp(g_t)`` of value head ``hv``: a scalar, or ``[KP, 1]`` rows of a per-channel decay."""
+    if PER_CHANNEL:
+        decay = _exp(tl.load(g_ptr + (t * HV + hv) * K + dims, mask=k_ok, other=0.0), ACCURATE_EXP)[:, None]
+    else:
+        decay = _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
+    return decay
+
+
+@triton.jit
+def _store_decay_grad(db_ptr, part, db, dims, k_ok, K: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """A step's ``dL/dB`` terms ``db [KP]`` per channel: stored so, or summed for a per-head decay."""
+    if PER_CHANNEL:
+        tl.store(db_ptr + part * K + dims, db, mask=k_ok)
+    else:
+        tl.store(db_ptr + part, tl.sum(db, axis=0))
+
+
+@triton.jit
 def recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, out_ptr, ht_ptr, do_ptr, dht_ptr, dv_ptr, dq_ptr, dk_ptr, db_ptr,
     cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
     BV: tl.constexpr, WRITES: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
-    HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+    HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The recurrence step by step for sequence ``program_id(0)``, value head ``program_id(1)``, V
     block ``program_id(2)``, ending with the final state in ``ht``. WRITES_OUTPUTS: the outputs to
     ``out``; WRITES_ERRORS: the delta rule's errors ``e_t`` to ``out``; WRITES_READ_GRADIENTS
     (backward, ``dv`` holding ``de``): this V block's parts (``[V blocks, tokens, HV, *]``) of
-    ``dq``, of ``dk``'s read term and of ``dL/dB``'s read terms (``db``)."""
+    ``dq``, of ``dk``'s read term and of ``dL/dB``'s read terms (``db``). PER_CHANNEL: ``g`` holds a
+    log decay per key channel (``[tokens, HV, K]``, Kimi Delta Attention), row c of the state
+    decays by its own, and ``db`` is per channel too (a per-head decay's is its sum over them)."""
     n, hv, vb, kh, start, end, dims, k_ok, cols, v_ok, state_offs, state_ok = _recurrent_program(
         cu_ptr, H, HV, K, V, KP, BV)
     state_base = (n * HV + hv).to(tl.int64) * K * V
@@ -702,7 +729,7 @@ def recurrent_kernel(
         k = tl.load(k_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
         u = tl.load(v_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
         if HAS_G:
-            state *= _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
+            state *= _step_decay(g_ptr, t, hv, dims, k_ok, HV, K, PER_CHANNEL, ACCURATE_EXP)
         if DELTA:
             e = u - tl.sum(state * k[:, None], axis=0)
             if WRITES == WRITES_ERRORS:
@@ -714,15 +741,15 @@ def recurrent_kernel(
             q = tl.load(q_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
             do = tl.load(do_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
             dq = scale * tl.sum(state * do[None, :], axis=1)
-            db = tl.sum(q * dq, axis=0)
+            db = q * dq  # per channel, summed below for a per-head decay
             if DELTA:
                 dk = -tl.sum(state * tl.load(dv_ptr + v_offs, mask=v_ok, other=0.0)[None, :], axis=1)
                 tl.store(dk_ptr + part * K + dims, dk, mask=k_ok)
-                db += tl.sum(k * dk, axis=0)
+                db += k * dk
             if HAS_DHT:
                 if j == end - start - 1:
-                    db += tl.sum(tl.sum(d_final * state, axis=1), axis=0)
-            tl.store(db_ptr + part, db)
+                    db += tl.sum(d_final * state, axis=1)
+            _store_decay_grad(db_ptr, part, db, dims, k_ok, K, PER_CHANNEL)
             tl.store(dq_ptr + part * K + dims, dq + scale * k * tl.sum(u * do, axis=0), mask=k_ok)
         state += k[:, None] * u[None, :]
         if WRITES == WRITES_OUTPUTS:
@@ -737,10 +764,12 @@ def recurrent_backward_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, e_ptr, do_ptr, dht_ptr, dv_ptr, dk_ptr, dbeta_ptr, db_ptr, dh0_ptr,
     cu_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
     BV: tl.constexpr, HAS_G: tl.constexpr, DELTA: tl.constexpr, HAS_DHT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
     """The backward walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` with ``dS`` in registers: ``dv`` (= ``de`` for the delta rule), this V
-    block's parts of ``dbeta``, of ``dk``'s write term and of ``dL/dB``'s write terms, and ``dh0``."""
+    block's parts of ``dbeta``, of ``dk``'s write term and of ``dL/dB``'s write terms, and ``dh0``
+    (PER_CHANNEL: as in :func:`recurrent_kernel`)."""
     n, hv, vb, kh, start, end, dims, k_ok, cols, v_ok, state_offs, state_ok = _recurrent_program(
         cu_ptr, H, HV, K, V, KP, BV)
     if HAS_DHT:
@@ -756,30 +785,37 @@ def recurrent_backward_kernel(
         q = tl.load(q_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + qk_offs, mask=k_ok, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
-        # the gradient of this step's written value: later reads (r_later), then this step's own
-        r_later = tl.sum(d_state * k[:, None], axis=0)
-        d_state += scale * q[:, None] * do[None, :]
-        r = r_later + scale * tl.sum(q * k, axis=0) * do
         if DELTA:
             beta = tl.load(beta_ptr + t * HV + hv)
             e = tl.load(e_ptr + v_offs, mask=v_ok, other=0.0)
             u = beta * e
+        else:
+            u = tl.load(v_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
+        # later reads of this write, as dL/dB's write terms (the final state's read of the last
+        # step's write is left to the replay, which adds <dht, S'_T>, so that no undecayed term
+        # enters dL/dB): r_later . u, or per channel c, k_c (dS u)_c (whose sum over c it is)
+        r_later = tl.sum(d_state * k[:, None], axis=0)
+        if PER_CHANNEL:
+            write_terms = k * tl.sum(d_state * u[None, :], axis=1)
+            tl.store(db_ptr + part * K + dims, -tl.where(j == 0, 0.0, write_terms), mask=k_ok)
+        else:
+            tl.store(db_ptr + part, -tl.where(j == 0, 0.0, tl.sum(r_later * u, axis=0)))
+        # the gradient of this step's written value: later reads (r_later), then this step's own
+        d_state += scale * q[:, None] * do[None, :]
+        r = r_later + scale * tl.sum(q * k, axis=0) * do
+        if DELTA:
             dv = beta * r
             tl.store(dbeta_ptr + part, tl.sum(e * r, axis=0))
             d_state_e = tl.sum(d_state * e[None, :], axis=1)
             dk = beta * d_state_e
             d_state -= k[:, None] * dv[None, :]
         else:
-            u = tl.load(v_ptr + v_offs, mask=v_ok, other=0.0).to(tl.float32)
             dv = r
             dk = tl.sum(d_state * u[None, :], axis=1)
-        # later reads of this write: the final state's read of the last step's write is left to
-        # the replay (it adds <dht, S'_T>), so that no undecayed term enters dL/dB
-        tl.store(db_ptr + part, -tl.where(j == 0, 0.0, tl.sum(r_later * u, axis=0)))
         tl.store(dv_ptr + v_offs, dv, mask=v_ok)
         tl.store(dk_ptr + part * K + dims, dk, mask=k_ok)
         if HAS_G:
-            d_state *= _exp(tl.load(g_ptr + t * HV + hv), ACCURATE_EXP)
+            d_state *= _step_decay(g_ptr, t, hv, dims, k_ok, HV, K, PER_CHANNEL, ACCURATE_EXP)
     tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * K * V + state_offs, d_state, mask=state_ok)
 
 
@@ -792,7 +828,7 @@ class _Problem:
     q: torch.Tensor  # [tokens, H, K] (l2-normalized when asked)
     k: torch.Tensor
     v: torch.Tensor  # [tokens, HV, V]
-    g: torch.Tensor | None  # [tokens, HV] float32
+    g: torch.Tensor | None  # [tokens, HV] float32, or [tokens, HV, K] per channel (recurrent kernels only)
     beta: torch.Tensor | None
     h0: torch.Tensor | None  # [N, HV, K, V] float32
     cu: torch.Tensor  # [N + 1] int32
@@ -808,6 +844,11 @@ class _Problem:
     def shape(self):
         """(tokens, H, HV, K, V)."""
         return self.q.shape[0], self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2]
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether the decay is per key channel (Kimi Delta Attention)."""
+        return self.g is not None and self.g.dim() == 3
 
     @property
     def interpreted(self) -> bool:
@@ -906,7 +947,7 @@ def _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm) -> _Probl
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * length
     else:
         cu = cu_seqlens.to(torch.int32)
-    gate = lambda x: None if x is None else x.reshape(tokens, value_heads).float().contiguous()  # noqa: E731
+    gate = lambda x: None if x is None else x.reshape(tokens, *x.shape[2:]).float().contiguous()  # noqa: E731
     return _Problem(batch, length, q.reshape(tokens, heads, k_dim).contiguous(),
                     k.reshape(tokens, heads, k_dim).contiguous(), v.reshape(tokens, value_heads, v_dim).contiguous(),
                     gate(g), gate(beta), None if initial_state is None else initial_state.float().contiguous(), cu,
@@ -982,8 +1023,9 @@ def _finish(x: _Problem, dq, dk, dv, dg, dbeta, dh0, has_h0: bool):
         dq, dk = _l2_normalize_backward(x.q_raw, dq), _l2_normalize_backward(x.k_raw, dk)
     qk_shape = (x.batch, x.length, heads, k_dim)
     gate_shape = (x.batch, x.length, value_heads)
+    decay_shape = (*gate_shape, k_dim) if x.per_channel else gate_shape
     return (dq.view(qk_shape), dk.view(qk_shape), dv.view(x.batch, x.length, value_heads, v_dim),
-            None if dg is None else dg.view(gate_shape), None if dbeta is None else dbeta.view(gate_shape),
+            None if dg is None else dg.view(decay_shape), None if dbeta is None else dbeta.view(gate_shape),
             dh0 if has_h0 else None)
 
 
@@ -1046,7 +1088,7 @@ def _recurrent(x: _Problem, writes: tl.constexpr, scale: float, out=None, ht=Non
              x.q, x.k, x.v, _or(x.g, unread), _or(x.beta, unread), _or(x.h0, unread), _or(out, unread), ht,
              _or(do, unread), _or(dht, unread), _or(dv, unread), _or(dq, unread), _or(dk, unread), _or(db, unread),
              x.cu, scale, WRITES=writes.value, HAS_G=x.g is not None, DELTA=x.beta is not None, HAS_H0=x.h0 is not None,
-             HAS_DHT=dht is not None, ACCURATE_EXP=not x.interpreted)
+             HAS_DHT=dht is not None, ACCURATE_EXP=not x.interpreted, PER_CHANNEL=x.per_channel)
 
 
 def recurrent_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
@@ -1081,27 +1123,31 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
         _recurrent(x, WRITES_ERRORS, scale, out=e, ht=ht)
     dv = torch.empty(tokens, value_heads, v_dim, **f32)
     dk_write = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
-    db_write = torch.empty(blocks, tokens, value_heads, **f32)
+    decay_parts = (k_dim,) if x.per_channel else ()  # dL/dB's terms, per channel for a per-channel decay
+    db_write = torch.empty(blocks, tokens, value_heads, *decay_parts, **f32)
     dbeta = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     x.launch(recurrent_backward_kernel, config, (x.num_seqs, value_heads, blocks),
              x.q, x.k, x.v, _or(x.g, dv), _or(x.beta, dv), _or(e, dv), do, _or(dht, dh0), dv, dk_write,
              _or(dbeta, dv), db_write, dh0, x.cu, scale, HAS_G=x.g is not None, DELTA=delta, HAS_DHT=dht is not None,
-             ACCURATE_EXP=not x.interpreted)
+             ACCURATE_EXP=not x.interpreted, PER_CHANNEL=x.per_channel)
     dq = torch.empty(blocks, tokens, value_heads, k_dim, **f32)
     dk_read = torch.empty(blocks, tokens, value_heads, k_dim, **f32) if delta else None
-    db_read = torch.empty(blocks, tokens, value_heads, **f32)
+    db_read = torch.empty(blocks, tokens, value_heads, *decay_parts, **f32)
     _recurrent(x, WRITES_READ_GRADIENTS, scale, ht=ht, do=do, dht=dht, dv=dv, dq=dq, dk=dk_read, db=db_read)
     dk = dk_write.sum(0) if dk_read is None else dk_write.sum(0) + dk_read.sum(0)
     dg = None
     if x.g is not None:
         db = db_write.sum(0) + db_read.sum(0)
         dg = torch.empty_like(db)
-        if tokens:
-            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, value_heads), db, dg, x.cu, WITHIN_CHUNKS=False)
+        if tokens:  # each channel of a per-channel decay is a column of its own
+            columns = value_heads * (k_dim if x.per_channel else 1)
+            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, columns), db, dg, x.cu, WITHIN_CHUNKS=False,
+                     HV=columns)
     return _finish(x, dq.sum(0), dk, dv, dg, None if dbeta is None else dbeta.sum(0), dh0, initial_state is not None)
 
 
+RECURRENT_KERNELS = (recurrent_kernel, recurrent_backward_kernel)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INDEX_POINTERS = ("cu_ptr", "chunk_seq_ptr", "chunk_start_ptr", "first_chunk_ptr")
 _INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr")
@@ -1130,10 +1176,11 @@ def _signature(kernel, dtype: torch.dtype, constexprs: dict, delta: bool, out_ty
 
 
 def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_dim: int = 128, heads: int = 16,
-                    value_heads: int = 32, arch: int = 90):
+                    value_heads: int = 32, arch: int = 90, per_channel: bool = False):
     """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
     (Qwen3-Next-like head sizes by default) at its default config for compute capability ``arch``,
-    to build ahead of time for inputs of ``dtype``."""
+    to build ahead of time for inputs of ``dtype``; ``per_channel`` (with ``delta``) adds the
+    step-by-step kernels' builds for a per-channel decay (Kimi Delta Attention)."""
     low = _low_precision(dtype, interpreted=False)
     accurate = dict(ACCURATE_EXP=True)
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
@@ -1147,7 +1194,7 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
         ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(HAS_G=True, DELTA=delta), True, None),
         ("reverse_cumsum", reverse_cumsum_kernel, None, dict(WITHIN_CHUNKS=True), False, None),
         ("recurrent_backward", recurrent_backward_kernel, "recurrent",
-         dict(HAS_G=True, DELTA=delta, HAS_DHT=True, **accurate), False, None),
+         dict(HAS_G=True, DELTA=delta, HAS_DHT=True, PER_CHANNEL=False, **accurate), False, None),
     ]
     if delta:
         cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True), True, None))
@@ -1155,8 +1202,11 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
                              (WRITES_READ_GRADIENTS, "*fp32")):
         if writes is not WRITES_ERRORS or delta:
             cases.append((f"recurrent_mode{writes.value}", recurrent_kernel, "recurrent",
-                          dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True, **accurate),
-                          False, out_type))
+                          dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True,
+                               PER_CHANNEL=False, **accurate), False, out_type))
+    if delta and per_channel:
+        cases += [(f"{name}_per_channel", kernel, config, {**flags, "PER_CHANNEL": True}, dots, out_type)
+                  for name, kernel, config, flags, dots, out_type in cases if kernel in RECURRENT_KERNELS]
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)
@@ -1170,7 +1220,8 @@ def compile_groups(everything: bool) -> dict:
     builds}``, a build being ``compile_report.Build``'s fields but ``family``. A group per K = V.
     By default the share CI builds: float32 and bfloat16 at K = V = 256 (the widest state), float16
     at 128, bfloat16 at 64 (the chunk kernels' tiles do not change with K, V, and float16 and
-    bfloat16 share them); ``everything``: every dtype at every size."""
+    bfloat16 share them), and the per-channel decay's step-by-step builds in bfloat16 at K = V = 256
+    (the one flag they add changes no tile); ``everything``: every dtype at every size."""
     from . import dtype_name
 
     shares = {64: (torch.bfloat16,), 128: (torch.float16,), 256: (torch.float32, torch.bfloat16)}
@@ -1180,8 +1231,9 @@ def compile_groups(everything: bool) -> dict:
                      signature=signature, constexprs=constexprs, num_warps=config.num_warps,
                      num_stages=config.num_stages)
                 for dtype in dtypes for delta in (True, False)
-                for name, kernel, signature, constexprs, config, _ in compile_targets(dtype, delta, size, size,
-                                                                                      arch=arch)]
+                for name, kernel, signature, constexprs, config, _ in compile_targets(
+                    dtype, delta, size, size, arch=arch,
+                    per_channel=everything or (size == 256 and dtype == torch.bfloat16))]
 
     return {f"linear_attention-K{size}": functools.partial(builds, size, tuple(_TRITON_TYPES) if everything
                                                            else dtypes)

@@ -1,5 +1,6 @@
-"""Linear attention ops: ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule`` and
-``chunk_simple_gla``, with fla's names, argument order and layout.
+"""Linear attention ops: ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
+``chunk_simple_gla`` and Kimi Delta Attention's ``chunk_kda`` and ``fused_recurrent_kda``, with
+fla's names, argument order and layout.
 
 Each is a ``torch.ops.torch_kernels`` op with a fake, FLOP and byte formulas and an autograd formula whose
 backward is an op too (``<name>_backward``), so both directions run on the chosen backend and
@@ -24,19 +25,24 @@ from .._library import define, io_bytes, register_cost
 from ..families import Case
 from ..reference import linear_attention as reference
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla", "chunk_kda",
+           "fused_recurrent_kda"]
 
 CHUNK_DELTA = "chunk_gated_delta_rule"
 RECURRENT_DELTA = "fused_recurrent_gated_delta_rule"
 CHUNK_GLA = "chunk_simple_gla"
-OPS = (CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA)
+CHUNK_KDA = "chunk_kda"
+RECURRENT_KDA = "fused_recurrent_kda"
+OPS = (CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA, CHUNK_KDA, RECURRENT_KDA)
+PER_CHANNEL_OPS = (CHUNK_KDA, RECURRENT_KDA)
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _reference_forward(form: str):
-    recurrence = reference.recurrence_naive if form == RECURRENT_DELTA else reference.recurrence_chunked
+    stepwise = form in (RECURRENT_DELTA, RECURRENT_KDA)
+    recurrence = reference.recurrence_naive if stepwise else reference.recurrence_chunked
 
     def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
         return recurrence(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
@@ -78,10 +84,24 @@ backends.register("fused_recurrent_gated_delta_rule_backward", "triton", "triton
 backends.register("fused_recurrent_gated_delta_rule_backward", "pallas",
                   "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
 backends.register("fused_recurrent_gated_delta_rule_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
+# Kimi Delta Attention: the reference's shared chunked and step-by-step forms, and the step-by-step
+# kernels of triton, pallas (a scan) and sycl (the chunked kernels take a per-head decay only so far)
+for _op in PER_CHANNEL_OPS:
+    backends.register(_op, "reference", _reference_forward(_op))
+    backends.register(f"{_op}_backward", "reference", reference_backward)
+backends.register(RECURRENT_KDA, "triton", "triton_impl.linear_attention:recurrent_forward")
+backends.register("fused_recurrent_kda_backward", "triton", "triton_impl.linear_attention:recurrent_backward")
+backends.register(RECURRENT_KDA, "pallas", "torch_kernels.pallas.linear_attention:pallas_recurrent_forward")
+backends.register("fused_recurrent_kda_backward", "pallas",
+                  "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
+backends.register(RECURRENT_KDA, "sycl", "oneapi_impl.linear_attention:recurrent_forward")
+backends.register("fused_recurrent_kda_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
 del _op, _backward
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool) -> None:
-    """Shapes, dtypes, devices and the scale (no data read)."""
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool,
+                 per_channel: bool = False) -> None:
+    """Shapes, dtypes, devices and the scale (no data read); ``per_channel``: ``g`` has a decay
+    per key channel (``[B, T, HV, K]``)."""
     _checks.tensor("q", q, ndim=4, dtypes=INPUT_DTYPES)
     _checks.tensor("k", k, ndim=4, dtypes=(q.dtype,))
     _checks.tensor("v", v, ndim=4, dtypes=(q.dtype,))
@@ -99,14 +119,17 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_be
     if k_dim == 0 or v.shape[3] == 0 or heads == 0:
         raise ValueError(f"q, v: expected non-empty head dimensions, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     gate_shape = (batch, length, value_heads)
-    for name, t in (("g", g), ("beta", beta)):
+    decay_shape, decay_dims = ((*gate_shape, k_dim), "B, T, heads of v and K of q") if per_channel \
+        else (gate_shape, "B, T and value heads of v")
+    gates = (("g", g, decay_shape, decay_dims), ("beta", beta, gate_shape, "B, T and value heads of v"))
+    for name, t, shape, dims in gates:
         if t is None:
             if name == "beta" and needs_beta:
                 raise TypeError("beta: expected a torch.Tensor, got None")
             continue
-        _checks.tensor(name, t, ndim=3, dtypes=_checks.FLOAT_DTYPES)
-        if tuple(t.shape) != gate_shape:
-            raise ValueError(f"{name}: expected shape {gate_shape} (B, T and value heads of v), got {tuple(t.shape)}")
+        _checks.tensor(name, t, ndim=len(shape), dtypes=_checks.FLOAT_DTYPES)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({dims}), got {tuple(t.shape)}")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
     num_states = batch
@@ -169,10 +192,10 @@ def _strip_grad(*tensors):
 
 
 class _Family:
-    """The forward op, backward op, autograd and cost formulas shared by the three ops."""
+    """The forward op, backward op, autograd and cost formulas shared by the ops."""
 
-    def __init__(self, name: str, *, delta: bool, grouped: bool):
-        self.name, self.delta, self.grouped = name, delta, grouped
+    def __init__(self, name: str, *, delta: bool, grouped: bool, per_channel: bool = False):
+        self.name, self.delta, self.grouped, self.per_channel = name, delta, grouped, per_channel
         gate = "Tensor g, Tensor beta" if delta else "Tensor? g"
         inputs = f"Tensor q, Tensor k, Tensor v, {gate}, float scale, Tensor? initial_state=None, " \
                  f"Tensor? cu_seqlens=None{', bool use_qk_l2norm=False' if delta else ''}, str? implementation=None"
@@ -194,7 +217,8 @@ class _Family:
         return q, k, v, g, None, scale, initial_state, cu_seqlens, False, implementation
 
     def _check(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
-        check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, needs_beta=self.delta, grouped=self.grouped)
+        check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, needs_beta=self.delta, grouped=self.grouped,
+                     per_channel=self.per_channel)
 
     def _run(self, op, implementation, q, *args):
         return backends.dispatch(op, _device_type(q), implementation, q, *args)
@@ -219,8 +243,9 @@ class _Family:
 
     def _grad_shapes(self, q, k, v, g, beta, h0, cu):
         gate = (v.shape[0], v.shape[1], v.shape[2])
+        decay = (*gate, q.shape[3]) if self.per_channel else gate
         return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
-                (gate, q.dtype if g is None else g.dtype), (gate, q.dtype if beta is None else beta.dtype),
+                (decay, q.dtype if g is None else g.dtype), (gate, q.dtype if beta is None else beta.dtype),
                 (_state_shape(q, v, cu), reference.compute_dtype(v.dtype) if h0 is None else h0.dtype)]
 
     def _backward_kernel(self, do, dht, *args):
@@ -273,6 +298,8 @@ class _Family:
 chunk_gated_delta_rule_family = _Family(CHUNK_DELTA, delta=True, grouped=True)
 fused_recurrent_gated_delta_rule_family = _Family(RECURRENT_DELTA, delta=True, grouped=True)
 chunk_simple_gla_family = _Family(CHUNK_GLA, delta=False, grouped=False)
+chunk_kda_family = _Family(CHUNK_KDA, delta=True, grouped=False, per_channel=True)
+fused_recurrent_kda_family = _Family(RECURRENT_KDA, delta=True, grouped=False, per_channel=True)
 
 
 def _default_scale(q, scale):
@@ -362,16 +389,48 @@ def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_fin
     return o, (final_state if output_final_state else None)
 
 
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
+    """Kimi Delta Attention (the delta rule with a decay per key channel), in chunks.
+
+    :func:`chunk_gated_delta_rule` with row ``c`` of each head's state ``S [K, V]`` decaying by
+    its own ``exp(g_tc)``: ``S_t = diag(exp(g_t)) S_{t-1}``, then the same delta-rule write and
+    read-out. Arguments as there, except:
+
+    - v: ``[B, T, H, V]``, one value head per query/key head;
+    - g: ``[B, T, H, K]`` log decay per key channel, ``<= 0`` (checked). Strong decays are exact:
+      every decay the chunks apply is summed over its span, never a quotient of cumulative
+      decays; ``-inf`` resets that channel;
+    - beta ``[B, T, H]``, initial_state ``[N, H, K, V]``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
+        Differentiable in q, k, v, g, beta and initial_state.
+    """
+    return _call_delta(chunk_kda_family, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens, implementation)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
+    """The same recurrence as :func:`chunk_kda`, one step at a time: the form for decoding a few
+    tokens from a carried state. It has a backward too. Arguments as there."""
+    return _call_delta(fused_recurrent_kda_family, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens, implementation)
+
+
 # ---- self-test cases ----
 
-def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48):
-    """Two packed sequences with their own initial states; grouped value heads for the delta rule."""
-    num_heads, value_heads = heads if delta else (heads[0], heads[0])
+def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48,
+                            per_channel=False):
+    """Two packed sequences with their own initial states; grouped value heads for the delta rule
+    (one head count for a decay per channel, ``per_channel``, as Kimi Delta Attention)."""
+    num_heads, value_heads = heads if delta and not per_channel else (heads[0], heads[0])
     length = cu_seqlens[-1]
     q = torch.randn(1, length, num_heads, k_dim, generator=gen)
     k = torch.randn(1, length, num_heads, k_dim, generator=gen)
     v = torch.randn(1, length, value_heads, v_dim, generator=gen)
-    g = -0.1 * torch.rand(1, length, value_heads, generator=gen)
+    g = -0.1 * torch.rand(1, length, value_heads, *((k_dim,) if per_channel else ()), generator=gen)
     h0 = torch.randn(len(cu_seqlens) - 1, value_heads, k_dim, v_dim, generator=gen)
     if not delta:  # without the delta rule's l2 norm the state grows with the keys' size
         k = k * k_dim ** -0.5
@@ -395,7 +454,9 @@ def _selftest_case(op: str) -> Case:
         q, k, v, g, beta = tensors if delta else (*tensors, None)
         return reference.recurrence_naive(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, cu, use_qk_l2norm=delta)[0]
 
-    return Case(op, lambda gen, dtype, device: linear_attention_inputs(gen, dtype, device, delta), run, definition)
+    per_channel = op in PER_CHANNEL_OPS
+    return Case(op, lambda gen, dtype, device: linear_attention_inputs(gen, dtype, device, delta,
+                                                                       per_channel=per_channel), run, definition)
 
 
 def selftest_cases() -> list[Case]:

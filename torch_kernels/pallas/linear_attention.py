@@ -95,4 +95,6 @@ def torchax_implementations() -> dict:
         op.CHUNK_DELTA: implementation(op.chunk_gated_delta_rule_family, kernels.chunk_gated_delta_rule, recurrent),
         op.RECURRENT_DELTA: implementation(op.fused_recurrent_gated_delta_rule_family, recurrent, recurrent),
         op.CHUNK_GLA: implementation(op.chunk_simple_gla_family, kernels.chunk_simple_gla, gla_reference),
+        # Kimi Delta Attention's step form: the same scan with g per key channel
+        op.RECURRENT_KDA: implementation(op.fused_recurrent_kda_family, recurrent, recurrent),
     }

@@ -6,6 +6,11 @@ One recurrence covers both, per value head, with state ``S [K, V]`` (float32):
 - gated delta rule (``delta=True``): ``S_t = exp(g_t) S_{t-1}``, then
   ``S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T``;
 
+where the decay ``g_t`` is one number per head (``g [B, T, HV]``) or one per key channel
+(``g [B, T, HV, K]``, Kimi Delta Attention: ``S_t = diag(exp(g_t)) S_{t-1}``, each row of the
+state decaying at its own rate). Inside, a per-head decay is the one-channel case ``[..., 1]``
+that broadcasts over K, so both run through the same code.
+
 and in both ``o_t = S_t^T (scale q_t)``. With grouped value heads (``HV = r H``) value head ``j``
 reads query/key head ``j // r``. With ``cu_seqlens`` (``B = 1``) the rows of each packed sequence
 run from that sequence's own initial state.
@@ -16,12 +21,18 @@ run from that sequence's own initial state.
 (the WY form), so the Python loop runs over chunks, not steps.
 
 The chunked form, for a chunk with start state ``S0``, cumulative log decay ``b_t`` (``b_t =
-g_1 + ... + g_t`` within the chunk) and ``D_ts = exp(b_t - b_s)`` for ``s <= t``:
+g_1 + ... + g_t`` within the chunk, per channel for a per-channel decay) and
+``D_tsc = exp(b_tc - b_sc)`` for ``s <= t``, with the decayed products
+``P(X, Y)_ts = sum_c X_tc Y_sc D_tsc`` (``(X Y^T) * D`` for a per-head decay):
 
-- the chunk's effective values ``W`` solve ``(I + diag(beta) strict_lower(D * K K^T)) W =
-  diag(beta) (V - diag(exp(b)) K S0)`` (delta rule) or are ``V`` (linear attention);
-- ``O = scale (diag(exp(b)) Q S0 + (D * Q K^T) W)``;
-- ``S_end = exp(b_C) S0 + (K * exp(b_C - b))^T W``.
+- the chunk's effective values ``W`` solve ``(I + diag(beta) strict_lower(P(K, K))) W =
+  diag(beta) (V - (K * exp(b)) S0)`` (delta rule) or are ``V`` (linear attention);
+- ``O = scale ((Q * exp(b)) S0 + P(Q, K) W)``;
+- ``S_end = diag(exp(b_C)) S0 + (K * exp(b_C - b))^T W``.
+
+Every exponent there is a sum of log decays over a span, so it is ``<= 0`` and no exp() can
+overflow however strong the decay: ``D`` is summed over each span directly (``segment_sums``),
+never formed as ``exp(b_t) * exp(-b_s)`` or from differences of cumulative sums.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm):
     if repeats > 1:
         q, k = q.repeat_interleave(repeats, dim=2), k.repeat_interleave(repeats, dim=2)
     g = torch.zeros(v.shape[:3], dtype=dtype, device=v.device) if g is None else g.to(dtype)
+    if g.dim() == 3:  # a per-head decay is the one-channel case
+        g = g[..., None]
     beta = None if beta is None else beta.to(dtype)
     return q, k, v, g, beta
 
@@ -71,7 +84,8 @@ def _initial(initial_state, batch, num_heads, k_dim, v_dim, n, dtype, device):
 
 def recurrence_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
     """The definition, one time step at a time. ``beta=None`` is linear attention, else the delta
-    rule. Returns ``(o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] float32)``."""
+    rule; ``g`` is ``[B, T, HV]`` (per head) or ``[B, T, HV, K]`` (per key channel).
+    Returns ``(o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] float32)``."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
     batch, length, num_heads, k_dim = k.shape
@@ -86,7 +100,7 @@ def recurrence_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=Non
         state = (states if cu_seqlens is None else states[n:n + 1]).clone()  # [B, HV, K, V]
         for t in range(start, end):
             q_t, k_t, v_t = q[rows, t], k[rows, t], v[rows, t]  # [B, HV, K] / [B, HV, V]
-            state = state * g[rows, t].exp()[..., None, None]
+            state = state * g[rows, t].exp()[..., None]  # [B, HV, K or 1, 1]: row c of S by exp(g_tc)
             if beta is not None:
                 error = v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)
                 state = state + torch.einsum("bhk,bhv->bhkv", k_t, beta[rows, t][..., None] * error)
@@ -98,34 +112,45 @@ def recurrence_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=Non
 
 
 def segment_sums(g: torch.Tensor) -> torch.Tensor:
-    """``seg[..., t, s] = g_{s+1} + ... + g_t`` for ``s <= t`` (0 on the diagonal), -inf above.
+    """``seg[..., t, s, c] = g_{s+1,c} + ... + g_{t,c}`` for ``s <= t`` (0 on the diagonal), -inf
+    above, from ``g [..., C, channels]``.
 
     Summed directly rather than as ``b_t - b_s`` of cumulative sums: those cancel in float32
     once gates grow large (g = -1e4 left the chunked forms ~1e-3 off) and give NaN for g = -inf,
     a full state reset.
     """
-    steps = torch.arange(g.shape[-1], device=g.device)
-    strictly_lower = steps[:, None] > steps[None, :]
-    seg = torch.where(strictly_lower, g[..., :, None], 0.0).cumsum(dim=-2)
-    return seg.masked_fill(~(strictly_lower | torch.eye(len(steps), dtype=torch.bool, device=g.device)), float("-inf"))
+    steps = torch.arange(g.shape[-2], device=g.device)
+    strictly_lower = (steps[:, None] > steps[None, :])[..., None]
+    seg = torch.where(strictly_lower, g[..., :, None, :], 0.0).cumsum(dim=-3)
+    lower = strictly_lower | torch.eye(len(steps), dtype=torch.bool, device=g.device)[..., None]
+    return seg.masked_fill(~lower, float("-inf"))
+
+
+def _decayed_products(x, y, decay):
+    """``sum_c x_tc y_sc decay_tsc``: a matrix product for a per-head decay (one channel), an
+    elementwise sum over K for a per-channel one (no decay factors out of it exactly)."""
+    if decay.shape[-1] == 1:
+        return (x @ y.transpose(-1, -2)) * decay[..., 0]
+    return torch.einsum("...tc,...sc,...tsc->...ts", x, y, decay)
 
 
 def _chunk(q, k, v, g, beta, scale, state):
-    """One chunk of every (batch, head): inputs ``[B, HV, C, *]``, state ``[B, HV, K, V]``."""
-    seg = segment_sums(g)  # [B, HV, C, C]
+    """One chunk of every (batch, head): inputs ``[B, HV, C, *]`` (``g [B, HV, C, K or 1]``),
+    state ``[B, HV, K, V]``."""
+    seg = segment_sums(g)  # [B, HV, C, C, K or 1]
     decay = seg.exp()  # exp(b_t - b_s) for s <= t, 0 above the diagonal
-    start_decay = g.cumsum(dim=-1).exp()[..., None]  # exp(b_t): from the chunk's start
-    end_decay = seg[..., -1, :].exp()[..., None]  # exp(b_C - b_t): to its end
+    start_decay = g.cumsum(dim=-2).exp()  # exp(b_t): from the chunk's start
+    end_decay = seg[..., -1, :, :].exp()  # exp(b_C - b_t): to its end
     if beta is None:
         values = v
     else:
         k_beta = k * beta[..., None]
-        system = torch.tril(decay * (k_beta @ k.transpose(-1, -2)), diagonal=-1)
-        system = system + torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+        system = torch.tril(_decayed_products(k_beta, k, decay), diagonal=-1)
+        system = system + torch.eye(g.shape[-2], dtype=g.dtype, device=g.device)
         rhs = beta[..., None] * (v - (k * start_decay) @ state)
         values = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    out = scale * ((q * start_decay) @ state + (decay * (q @ k.transpose(-1, -2))) @ values)
-    state = g.sum(dim=-1).exp()[..., None, None] * state + (k * end_decay).transpose(-1, -2) @ values
+    out = scale * ((q * start_decay) @ state + _decayed_products(q, k, decay) @ values)
+    state = g.sum(dim=-2).exp()[..., None] * state + (k * end_decay).transpose(-1, -2) @ values
     return out, state
 
 
