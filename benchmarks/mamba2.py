@@ -180,7 +180,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                label="decode step")
     for ax, title in ((left, "chunked scan"), (right, "decode step")):
         ax.axhline(1.0, color="0.6", lw=0.8)
-        ax.set_title(f"Mamba-2 2.7B layer, {title}")
+        ax.set_title(f"Mamba-2 2.7B layer sizes, {rows[0]['heads']} heads: {title}")
         ax.set_ylabel(f"speed over the {THEIRS}")
         ax.legend(fontsize=8)
     right.set_xscale("log", base=2)
