@@ -8,7 +8,7 @@ So ``mamba_chunk_scan_combined`` is a composite: its elementwise parts (the step
 ``D x``, the gate ``silu(z)``, the group-to-head expansion of B and C) are torch expressions
 around one ``chunk_simple_gla`` call, whose backends, autograd and compile support it inherits.
 Packed sequences by ``seq_idx`` reset the state with a log decay of ``-inf`` where the id
-changes (no host sync).
+changes (no host read of its own: chunk_simple_gla reads the log decays once to check them).
 
 ``selective_state_update`` is its own op with a kernel per backend: ``update(state, x, dt, A, B,
 C, D, z, dt_bias, softplus, rows) -> out`` writing the used rows of ``state``; x, B, C and z
