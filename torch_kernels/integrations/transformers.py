@@ -281,7 +281,8 @@ def _replace_hub_functions(model: nn.Module, implementation: str | None, report:
 
 
 def _replace_experts(model: nn.Module, implementation: str | None, report: KernelizeReport) -> None:
-    experts = [(path, m) for path, m in model.named_modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]
+    experts = [(path, m) for path, m in model.named_modules()
+               if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]  # use_experts_implementation's
     if not experts:
         return
     for path, module in experts:
