@@ -403,6 +403,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return y, final.transpose(-1, -2)
 
 
+# transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``):
+# mamba_ssm's names, argument names and layouts
+TRANSFORMERS_HUB_FUNCTIONS = {"mamba_chunk_scan_combined": mamba_chunk_scan_combined,
+                              "selective_state_update": selective_state_update}
+
+
 # ---- self-test cases ----
 
 def scan_inputs(gen, dtype, device, batch=2, length=37, heads=4, headdim=8, groups=2, dstate=16):
