@@ -29,9 +29,15 @@ def main(argv=None) -> int:
     goodput.add_argument("--out", type=pathlib.Path, default=None,
                          help="output folder (default: benchmarks/results of a source checkout, else .)")
     goodput.add_argument("--layer", type=int, default=None,
-                         help="hidden state the gate reads (default: torch_kernels.goodput.LAYER)")
+                         help="hidden state the gate reads (default: torch_kernels.goodput.RECIPE's)")
     goodput.add_argument("--pooling", choices=("mean", "last"), default=None,
-                         help="over the prompt's tokens (default: torch_kernels.goodput.POOLING)")
+                         help="over the prompt's tokens (default: torch_kernels.goodput.RECIPE's)")
+    goodput.add_argument("--span", choices=("template", "sink", "all"), default=None,
+                         help="positions pooled: all but the chat template's, all but the first, or all "
+                              "(default: torch_kernels.goodput.RECIPE's)")
+    goodput.add_argument("--transform", default=None,
+                         help="per-channel transform, one of torch_kernels.ood.recipes.TRANSFORMS "
+                              "(default: torch_kernels.goodput.RECIPE's)")
     goodput.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
@@ -55,7 +61,7 @@ def main(argv=None) -> int:
     if args.command == "goodput":
         from . import goodput
 
-        return goodput.main(args.mode, args.out, args.layer, args.pooling, args.threads)
+        return goodput.main(args.mode, args.out, args.layer, args.pooling, args.threads, args.span, args.transform)
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
         print(f"bench: {runner} not found; the benchmarks ship with the source checkout", file=sys.stderr)
