@@ -153,7 +153,12 @@ def split_indices(f: Features, seed: int):
 def auroc(x: torch.Tensor, f: Features, idx, scorer: str, transform: str, edm_steps=None, seed=0) -> float:
     fit_rows, _, test, oos = idx
     model, fit = make_scorer(scorer, transform, edm_steps, seed)
-    fit(x[fit_rows], f.labels[fit_rows])
+    try:
+        fit(x[fit_rows], f.labels[fit_rows])
+    except ValueError as error:  # constant features (the last token at the embeddings): nothing to fit
+        if "singular" not in str(error):
+            raise
+        return float("nan")
     with torch.no_grad():
         return ood_metrics(model.score(x[test]), model.score(x[oos])).auroc
 
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
         log(f"fixed {name}: {fixed[name]}")
     report = {"machine": machine_line(), "seeds": seeds, "sizes": SIZES, "fit": FIT, "heldout": HELDOUT,
               "folds": args.folds, "edm_steps": args.edm_steps, "prefix": f.prefix, "suffix": f.suffix,
-              "grid": grid["grid"], "chosen": chosen["chosen"], "fixed": fixed,
+              "grid": grid["grid"], "chosen": chosen["chosen"], "fixed": fixed, "costs": costs(f, idx[0]),
               "sweep_s": grid["grid_s"] + chosen["choose_s"] + time.perf_counter() - start,
               "extract_s": json.loads((args.cache / "meta.json").read_text()).get("extract_s")}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -223,6 +228,29 @@ def main(argv=None) -> int:
     plot(report, args.out / "ood_recipes.png")
     print(markdown(report))
     return 0
+
+
+@torch.inference_mode()
+def costs(f: Features, idx) -> dict:
+    """Microseconds to transform and score one pooled row (the gate's work after pooling), per
+    transform on one layer and for three layers averaged or concatenated (clip); best of 50."""
+    fit_rows = idx[0]
+    mid = f.num_states // 2
+    three = tuple(sorted({max(0, mid - 5), mid, min(f.num_states - 1, mid + 5)}))
+    cases = [(t, (mid,), "mean") for t in GRID_TRANSFORMS] + [("clip", three, c) for c in ("mean", "concat")]
+    out = {}
+    for transform, layers, combine in cases:
+        x = f.recipe("question", layers, combine)
+        model, fit = make_scorer("mahalanobis", transform)
+        fit(x[fit_rows])
+        row = x[:1]
+        best = float("inf")
+        for _ in range(50):
+            t0 = time.perf_counter()
+            model.score(row)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{transform}, {len(layers)} layer(s) {combine}, D={x.shape[1]}"] = 1e6 * best
+    return out
 
 
 def _save(path: pathlib.Path, content: dict) -> None:
@@ -261,7 +289,8 @@ def fixed_recipes(grid, last_layer: int):
     per pooling (seed 0, one Gaussian: chosen with the test rows, an oracle to compare with)."""
     out = [(f"baseline: all positions, layer {last_layer}, none", "all", (last_layer,), "mean", "none")]
     for pooling in POOLINGS:
-        rows = [r for r in grid if r["pooling"] == pooling and r["scorer"] == "mahalanobis" and r["seed"] == 0]
+        rows = [r for r in grid if r["pooling"] == pooling and r["scorer"] == "mahalanobis" and r["seed"] == 0
+                and r["auroc"] == r["auroc"]]  # not NaN: constant features, nothing fitted
         if rows:
             best = max(rows, key=lambda r: r["auroc"])
             out.append((f"grid best (oracle) {pooling}: layer {best['layer']}, {best['transform']}", pooling,
@@ -280,7 +309,9 @@ def markdown(report: dict) -> str:
         f"Scorers: `mahalanobis` (Ledoit-Wolf, one Gaussian: no labels at all), `mahalanobis_intents` (one mean "
         f"per in-scope intent, tied covariance: uses the training rows' intent labels), `edm`. Out-of-scope rows "
         f"are used for the AUROC only, never to choose. Extraction {report['extract_s'] or 0:.0f} s (one forward per "
-        f"batch, all hidden states), sweep {report['sweep_s']:.0f} s.", "",
+        f"batch, all hidden states, on a machine shared with other jobs), sweep {report['sweep_s']:.0f} s. "
+        f"NaN: constant features (the last token is the same template token in every prompt, so at the "
+        f"embeddings it is one vector), which no Gaussian fits.", "",
         "Poolings: `all` = mean over every position; `nosink` = without position 0; `question` = the user's "
         "text only (template prefix and suffix skipped); `tail` = question and template suffix; `last` = the "
         "last token. Transforms (fitted on in-scope training rows): `standardize` per channel, `clip` = robust "
@@ -299,6 +330,10 @@ def markdown(report: dict) -> str:
     lines += _table(["recipe", *GRID_SCORERS], [
         [name, *(f"{np.mean(v[s]):.4f} +- {np.std(v[s]):.4f}" for s in GRID_SCORERS)]
         for name, v in report["fixed"].items()])
+    lines += ["", "## Cost: transform and score one pooled row (Mahalanobis, best of 50), microseconds", "",
+              "Pooling itself is a masked sum over the positions the prefill already computed (the span only "
+              "changes which rows are summed); several layers add one such sum per layer.", ""]
+    lines += _table(["recipe", "us per row"], [[k, f"{v:.0f}"] for k, v in report["costs"].items()])
     for scorer in GRID_SCORERS:
         seed0 = [r for r in grid if r["scorer"] == scorer and r["seed"] == 0]
         if not seed0:
@@ -325,7 +360,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     for ax, scorer in zip(axes, GRID_SCORERS):
         for pooling, color in zip(POOLINGS, ("tab:grey", "tab:blue", "tab:green", "tab:orange", "tab:red")):
-            for transform, style in (("none", ":"), ("clip", "-")):
+            for transform, style in (("none", ":"), ("robust_l2", "-")):
                 rows = sorted((r for r in report["grid"] if r["scorer"] == scorer and r["seed"] == 0
                                and r["pooling"] == pooling and r["transform"] == transform), key=lambda r: r["layer"])
                 if rows:

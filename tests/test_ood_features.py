@@ -88,6 +88,22 @@ def test_spans_and_several_layers_match_output_hidden_states(pooling):
     assert ran == [0]  # no layer past the last one wanted
 
 
+def test_a_shared_prefix_the_pooling_skips_runs_once():
+    """A chat template's prefix: its keys and values are computed once and reused for every text."""
+    model = _llama()
+    template = [5, 6, 7, 8]
+    texts = [template + t for t in _texts([2, 6, 3, 9, 2])]
+    widths = []
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(args[0].shape))
+    got = extract_features(model, None, texts, layer=[1, -1], batch_size=2, progress=False, skip_first=4, skip_last=1)
+    assert widths[0] == (1, 4) and all(w[1] <= 9 for w in widths[1:])  # the prefix once, then only the rest
+    with torch.no_grad():
+        for i, ids in enumerate(texts):
+            states = model.base_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            for k, layer in enumerate([1, 3]):
+                torch.testing.assert_close(got[i, k], states[layer][0, 4:len(ids) - 1].mean(0), rtol=1e-5, atol=1e-5)
+
+
 def test_an_early_layer_runs_no_later_layer():
     model = _llama(num_layers=3)
     ran = []

@@ -240,7 +240,8 @@ def intent_holdout_auroc(train: torch.Tensor, train_labels: torch.Tensor, heldou
     The intents are split into ``folds`` groups; for each, the scorer is fitted on the training
     rows of the other intents and must tell held-out rows of those intents (in scope) from
     held-out rows of the hidden group (unseen intents, as out-of-scope queries are). Returns the
-    mean AUROC. No out-of-scope example is read; the intent labels are in-distribution data."""
+    mean AUROC; a fold whose features have a singular covariance (constant features, such as the
+    last token's embedding when every prompt ends in the same template) counts as chance, 0.5. No out-of-scope example is read; the intent labels are in-distribution data."""
     for name, x, y in (("train", train, train_labels), ("heldout", heldout, heldout_labels)):
         _checks.tensor(name, x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
         _checks.tensor(f"{name}_labels", y, ndim=1)
@@ -259,7 +260,13 @@ def intent_holdout_auroc(train: torch.Tensor, train_labels: torch.Tensor, heldou
         if hidden_heldout.all() or not hidden_heldout.any():
             continue  # no row on one side: this fold says nothing
         model, fit = make_scorer(scorer, transform, edm_steps, seed)
-        fit(train[~hidden_train], train_labels[~hidden_train])
+        try:
+            fit(train[~hidden_train], train_labels[~hidden_train])
+        except ValueError as error:
+            if "singular" not in str(error):
+                raise
+            aurocs.append(0.5)  # features no Gaussian fits (e.g. constant ones) separate nothing
+            continue
         with torch.no_grad():
             scores = model.score(heldout)
         aurocs.append(ood_metrics(scores[~hidden_heldout], scores[hidden_heldout]).auroc)
