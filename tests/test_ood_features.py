@@ -65,6 +65,45 @@ def test_every_layer_matches_output_hidden_states(make_model, pooling):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {layer}: {m}")
 
 
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_spans_and_several_layers_match_output_hidden_states(pooling):
+    """skip_first / skip_last leave positions out; a list of layers comes from one forward pass."""
+    model = _llama()
+    texts = _texts([4, 17, 5, 9, 12])
+    ran = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    got = extract_features(model, None, texts, layer=[2, 0, -1], pooling=pooling, batch_size=2, progress=False,
+                           skip_first=1, skip_last=2)
+    assert got.shape == (len(texts), 3, 32) and len(ran) == 3 * 3  # 3 batches, each through the 3 layers once
+    with torch.no_grad():
+        for i, ids in enumerate(texts):
+            states = model.base_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            for k, layer in enumerate([2, 0, 3]):
+                kept = states[layer][0, 1:len(ids) - 2]
+                want = kept.mean(0) if pooling == "mean" else kept[-1]
+                torch.testing.assert_close(got[i, k], want, rtol=1e-5, atol=1e-5)
+    ran.clear()
+    extract_features(model, None, texts, layer=[1, 0], progress=False)
+    assert ran == [0]  # no layer past the last one wanted
+
+
+def test_a_shared_prefix_the_pooling_skips_runs_once():
+    """A chat template's prefix: its keys and values are computed once and reused for every text."""
+    model = _llama()
+    template = [5, 6, 7, 8]
+    texts = [template + t for t in _texts([2, 6, 3, 9, 2])]
+    widths = []
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(args[0].shape))
+    got = extract_features(model, None, texts, layer=[1, -1], batch_size=2, progress=False, skip_first=4, skip_last=1)
+    assert widths[0] == (1, 4) and all(w[1] <= 9 for w in widths[1:])  # the prefix once, then only the rest
+    with torch.no_grad():
+        for i, ids in enumerate(texts):
+            states = model.base_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            for k, layer in enumerate([1, 3]):
+                torch.testing.assert_close(got[i, k], states[layer][0, 4:len(ids) - 1].mean(0), rtol=1e-5, atol=1e-5)
+
+
 def test_an_early_layer_runs_no_later_layer():
     model = _llama(num_layers=3)
     ran = []
@@ -135,6 +174,10 @@ def test_cache_reads_back_and_keys_on_content(tmp_path, monkeypatch):
     (dict(texts=[torch.tensor([1.0])]), TypeError, r"^texts\[0\]: expected a 1-D integer tensor"),
     (dict(texts=["needs a tokenizer"]), TypeError, r"^tokenizer: expected a tokenizer to encode texts\[0\]"),
     (dict(cache_dir=3), TypeError, r"^cache_dir: expected a path or None"),
+    (dict(layer=[]), ValueError, r"^layer: expected an int or a non-empty sequence"),
+    (dict(skip_first=-1), ValueError, r"^skip_first: expected an int >= 0"),
+    (dict(skip_last=True), TypeError, r"^skip_last: expected an int, got bool"),
+    (dict(skip_first=2, skip_last=1), ValueError, r"^texts\[0\]: expected more than skip_first \+ skip_last = 3"),
     (dict(model=torch.nn.Linear(2, 2)), TypeError, r"^model: expected a transformers model"),
 ])
 def test_bad_arguments_name_them(kwargs, error, match):

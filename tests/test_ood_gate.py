@@ -19,6 +19,7 @@ import torch
 
 from torch_kernels import models
 from torch_kernels.ood import MahalanobisScorer, OODGate, extract_features, record_tokens_saved
+from torch_kernels.ood.recipes import combine_layers
 from torch_kernels.serving import Engine
 
 
@@ -95,6 +96,33 @@ def test_gate_features_equal_extract_features_over_chunked_prefill(layer, poolin
     want = extract_features(model, None, prompts, layer=layer, pooling=pooling, progress=False)
     torch.testing.assert_close(_in_order_of(seen, want), want, rtol=1e-4, atol=1e-5)
     assert not any(r.refused for r in requests)
+
+
+class SumScorer:
+    def score(self, x):
+        return x.sum(dim=1)
+
+
+@pytest.mark.parametrize("layer, pooling, skip, combine", [
+    ((0, 2), "mean", (1, 1), "concat"),  # skip the first token (sink) and the last
+    ((1, -1), "last", (0, 2), "mean"),  # the last pooled position lies before the prompt's end
+    (1, "mean", (2, 0), "mean"),
+])
+def test_gate_recipes_equal_extract_features_over_chunked_prefill(layer, pooling, skip, combine):
+    """Spans and several layers: the gate pools the prefill's own states as extract_features does."""
+    model, prompts = _llama(), _prompts()
+    scorer = RecordingScorer(SumScorer())
+    gate = OODGate(scorer, float("inf"), layer=layer, pooling=pooling, skip_first=skip[0], skip_last=skip[1],
+                   combine=combine)
+    _serve(_engine(model, gate), prompts, 3)
+    want = extract_features(model, None, prompts, layer=layer if isinstance(layer, int) else list(layer),
+                            pooling=pooling, skip_first=skip[0], skip_last=skip[1], progress=False)
+    if not isinstance(layer, int):
+        want = combine_layers(want, combine)
+    seen = torch.cat(scorer.calls)
+    torch.testing.assert_close(_in_order_of(seen, want), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^prompt: expected more than skip_first \+ skip_last"):
+        _engine(model, gate).add_request([5] * sum(skip), 2)  # nothing left to pool
 
 
 def test_refused_prompts_decode_nothing_and_the_rest_match_the_ungated_run():
@@ -183,6 +211,11 @@ def test_bad_gate_arguments_name_them():
         (dict(threshold=float("nan")), ValueError, r"^threshold: expected a number, got NaN"),
         (dict(layer=1.5), TypeError, r"^layer: expected an int, got float"),
         (dict(pooling="max"), ValueError, r"^pooling: expected one of \('mean', 'last'\)"),
+        (dict(layer=[]), ValueError, r"^layer: expected an int or a non-empty sequence"),
+        (dict(layer=[1, 2.0]), TypeError, r"^layer: expected an int or a sequence of ints, got float"),
+        (dict(skip_first=-1), ValueError, r"^skip_first: expected an int >= 0, got -1"),
+        (dict(skip_last=1.0), TypeError, r"^skip_last: expected an int, got float"),
+        (dict(combine="sum"), ValueError, r"^combine: expected one of \('mean', 'concat'\)"),
     ]:
         with pytest.raises(error, match=match):
             OODGate(**(dict(scorer=scorer, threshold=1.0) | kwargs))
@@ -225,7 +258,7 @@ def test_goodput_smoke_writes_its_files(smollm2, tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "goodput-smoke.json").read_text())
     plain = saved["serving"]["no gate"]
     gated = [run for name, run in saved["serving"].items() if name != "no gate"]
-    assert list(saved["scorers"]) == ["Mahalanobis", "EDM"] and len(gated) == 2  # a gated run per scorer
+    assert list(saved["scorers"]) == ["Mahalanobis", "Mahalanobis, intents", "EDM"] and len(gated) == 3  # one each
     for run in gated:
         assert run["tokens_generated"] + run["tokens_saved"] == plain["tokens_generated"]
         assert run["kept_outputs_identical"] and run["requests"] == plain["requests"] == 4

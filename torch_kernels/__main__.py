@@ -29,10 +29,17 @@ def main(argv=None) -> int:
     goodput.set_defaults(mode="default")
     goodput.add_argument("--out", type=pathlib.Path, default=None,
                          help="output folder (default: benchmarks/results of a source checkout, else .)")
-    goodput.add_argument("--layer", type=int, default=None,
-                         help="hidden state the gate reads (default: torch_kernels.goodput.LAYER)")
+    goodput.add_argument("--layer", type=int, nargs="+", default=None,
+                         help="hidden states the gate reads, one or several (default: torch_kernels.goodput.RECIPE's)")
     goodput.add_argument("--pooling", choices=("mean", "last"), default=None,
-                         help="over the prompt's tokens (default: torch_kernels.goodput.POOLING)")
+                         help="over the prompt's tokens (default: torch_kernels.goodput.RECIPE's)")
+    goodput.add_argument("--span", choices=("prefix", "template", "sink", "all"), default=None,
+                         help="positions pooled: all but the chat template's prefix, all but its prefix and "
+                              "suffix, all but the first, or all "
+                              "(default: torch_kernels.goodput.RECIPE's)")
+    goodput.add_argument("--transform", default=None,
+                         help="per-channel transform, one of torch_kernels.ood.recipes.TRANSFORMS "
+                              "(default: torch_kernels.goodput.RECIPE's)")
     goodput.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     bench = sub.add_parser("bench", help="run the benchmarks (from a source checkout); bench compare | bisect | "
                                           "false-alarms read their history back (benchmarks/history.py)")
@@ -57,7 +64,8 @@ def main(argv=None) -> int:
     if args.command == "goodput":
         from . import goodput
 
-        return goodput.main(args.mode, args.out, args.layer, args.pooling, args.threads)
+        layer = None if args.layer is None else tuple(args.layer)
+        return goodput.main(args.mode, args.out, layer, args.pooling, args.threads, args.span, args.transform)
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
         print(f"bench: {runner} not found; the benchmarks ship with the source checkout", file=sys.stderr)

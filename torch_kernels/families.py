@@ -6,6 +6,8 @@ family declares, by attribute name, what the code around the ops needs from it:
 
 - ``__all__``: its public wrappers, which ``torch_kernels`` exports;
 - ``selftest_cases()``: its :class:`Case` list, which the doctor and the self-test run;
+- ``TRANSFORMERS_HUB_FUNCTIONS`` (optional): ``{transformers hub function name: public wrapper}``,
+  which ``torch_kernels.integrations.transformers.kernelize`` routes a model's calls to;
 
 and the Pallas backend's torch face for family ``f`` lives in ``torch_kernels.pallas.f``
 (found by the same name). Nothing here lists a family by hand.

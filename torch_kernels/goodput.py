@@ -5,12 +5,17 @@ CLINC150's queries (150 in-scope intents, and out-of-scope queries; packaged in
 serving loop (:class:`torch_kernels.serving.Engine`) with an OOD gate
 (:class:`torch_kernels.ood.OODGate`):
 
-1. Features: each prompt's hidden states at one layer of SmolLM2, mean-pooled over the prompt
-   (:func:`torch_kernels.ood.extract_features`, cached on disk after the first run).
-2. Scorers, label-free: a Gaussian (:class:`~torch_kernels.ood.MahalanobisScorer`, Ledoit-Wolf)
-   and an EDM diffusion model (:class:`~torch_kernels.ood.EDMScorer`), fitted on in-scope training
-   queries' features; each threshold at 95% TPR on in-scope validation queries. AUROC, FPR at 95%
-   TPR and AUPR on in-scope test against out-of-scope test queries.
+1. Features: each prompt's hidden states by the gate's recipe (:mod:`torch_kernels.ood.recipes`;
+   default :data:`RECIPE`, which ``benchmarks/ood_recipes.py`` chose from in-scope data alone):
+   hidden states pooled over the question's tokens (the chat template's shared prefix and suffix
+   left out), from the same forward pass as the prefill (:func:`torch_kernels.ood.extract_features`,
+   cached on disk after the first run).
+2. Scorers, fitted on in-scope training queries' features behind the recipe's per-channel
+   transform: a Gaussian (:class:`~torch_kernels.ood.MahalanobisScorer`, Ledoit-Wolf; label-free),
+   the same with one mean per in-scope intent (it reads the training queries' intent labels, never
+   an out-of-scope query) and an EDM diffusion model (:class:`~torch_kernels.ood.EDMScorer`);
+   each threshold at 95% TPR on in-scope validation queries. AUROC, FPR at 95% TPR and AUPR on
+   in-scope test against out-of-scope test queries.
 3. Serving: the same requests (in-scope and out-of-scope test queries, shuffled) without a gate
    and with each scorer's gate; tokens generated, tokens saved by refusals, and goodput (the
    share of generated tokens spent on in-scope requests); the gate's latency per request against
@@ -35,9 +40,11 @@ from ._cache import cache_dir
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "clinc150" / "data_full.json"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Of SmolLM2's 31 hidden states, mean-pooled hidden state 1 (after the first layer) separated CLINC150's
-# out-of-scope queries best in a sweep over all of them (README, goodput); it is also the cheapest to extract.
-LAYER, POOLING = 1, "mean"
+# The recipe benchmarks/ood_recipes.py chose on in-scope rows alone (results/ood_recipes.md): the
+# mean over the prompt after the chat template's shared prefix, of hidden states 8, 9 and 10
+# concatenated, robust z-scores clipped then L2-normalized. span: "prefix" leaves out the shared
+# prefix, "template" also the shared suffix, "sink" position 0, "all" nothing.
+RECIPE = {"layers": (8, 9, 10), "pooling": "mean", "span": "prefix", "combine": "concat", "transform": "clip_l2"}
 SEED = 0
 
 
@@ -66,34 +73,57 @@ SIZES = {
 }
 
 
-def load_clinc150(sizes: Sizes, path: pathlib.Path = DATA) -> dict[str, list[str]]:
-    """The queries of each split a run uses (random subsets drawn with a fixed seed)."""
+def load_clinc150(sizes: Sizes, path: pathlib.Path = DATA, with_intents: bool = False):
+    """The queries of each split a run uses (random subsets drawn with a fixed seed); with
+    ``with_intents``, also each split's intent labels: ``(queries, intents)``."""
     data = json.loads(path.read_text())
     rng = random.Random(SEED)
 
-    def sample(split: str, n: int | None) -> list[str]:
-        texts = [text for text, _ in data[split]]
-        return texts if n is None or n >= len(texts) else rng.sample(texts, n)
+    def sample(split: str, n: int | None) -> list[tuple[str, str]]:
+        rows = data[split]
+        return rows if n is None or n >= len(rows) else rng.sample(rows, n)
 
-    return {"train": sample("train", sizes.train), "val": sample("val", sizes.val),
+    rows = {"train": sample("train", sizes.train), "val": sample("val", sizes.val),
             "test": sample("test", sizes.test), "oos_test": sample("oos_test", sizes.oos_test)}
+    queries = {split: [text for text, _ in r] for split, r in rows.items()}
+    return (queries, {split: [label for _, label in r] for split, r in rows.items()}) if with_intents else queries
 
 
 def _cache_dir() -> pathlib.Path:
     return cache_dir("features")
 
 
-def _scorers(train: torch.Tensor, sizes: Sizes, progress: bool) -> dict[str, tuple[object, float]]:
-    """Both label-free scorers fitted on ``train``, each with its fit time in seconds."""
-    from .ood import EDMScorer, MahalanobisScorer
+SCORERS = {"Mahalanobis": "mahalanobis", "Mahalanobis, intents": "mahalanobis_intents", "EDM": "edm"}
 
-    fits = {"Mahalanobis": lambda: MahalanobisScorer("ledoit_wolf").fit(train),
-            "EDM": lambda: EDMScorer().fit(train, sizes.edm_steps, seed=SEED, progress=progress)}
+
+def _scorers(train: torch.Tensor, intents: list[str], transform: str, sizes: Sizes) -> dict[str, tuple[object, float]]:
+    """Each scorer of :data:`SCORERS` behind ``transform``, fitted on ``train`` (the intents scorer
+    also on its rows' ``intents``), each with its fit time in seconds."""
+    from .ood.recipes import make_scorer
+
+    ids = {name: i for i, name in enumerate(sorted(set(intents)))}
+    labels = torch.tensor([ids[name] for name in intents])
     out = {}
-    for name, fit in fits.items():
+    for name, kind in SCORERS.items():
         start = time.perf_counter()
-        out[name] = (fit(), time.perf_counter() - start)
+        scorer, fit = make_scorer(kind, transform, sizes.edm_steps, SEED)
+        fit(train, labels)
+        out[name] = (scorer, time.perf_counter() - start)
     return out
+
+
+def recipe_for(prompts: list[list[int]], layers=None, pooling=None, span=None, combine=None, transform=None):
+    """:data:`RECIPE` (each argument given overrides its entry) as a :class:`~torch_kernels.ood.recipes.Recipe`,
+    its span counted on ``prompts`` (the chat template's shared prefix and suffix)."""
+    from .ood.recipes import Recipe, shared_span
+
+    span = span or RECIPE["span"]
+    shared = shared_span(prompts)
+    skips = {"prefix": (shared[0], 0), "template": shared, "sink": (1, 0), "all": (0, 0)}
+    if span not in skips:
+        raise ValueError(f"span: expected one of {tuple(skips)}, got {span!r}")
+    return Recipe(layers if layers is not None else RECIPE["layers"], pooling or RECIPE["pooling"], *skips[span],
+                  combine or RECIPE["combine"], transform or RECIPE["transform"])
 
 
 def _serve(model, prompts, sizes: Sizes, name: str, gate=None, progress: bool = True):
@@ -135,27 +165,33 @@ def _score_latency(scorer, row: torch.Tensor, repeats: int = 10) -> float:
     return best
 
 
-def run(sizes: Sizes, out_dir: pathlib.Path, model=None, tokenizer=None, layer: int = LAYER, pooling: str = POOLING,
-        cache_dir: pathlib.Path | None = None, progress: bool = True) -> dict:
+def run(sizes: Sizes, out_dir: pathlib.Path, model=None, tokenizer=None, layer=None, pooling: str | None = None,
+        cache_dir: pathlib.Path | None = None, progress: bool = True, span: str | None = None,
+        transform: str | None = None) -> dict:
     """Run the demo at ``sizes``, write ``goodput[-<mode>].{md,json,png}`` into ``out_dir`` and
-    return the report (the JSON's content). ``model``/``tokenizer`` default to SmolLM2."""
+    return the report (the JSON's content). ``model``/``tokenizer`` default to SmolLM2; ``layer``
+    (an int or a tuple), ``pooling``, ``span`` and ``transform`` override :data:`RECIPE`'s."""
     from . import models
     from .ood import OODGate, extract_features, ood_metrics, record_tokens_saved, roc_curve
+    from .ood.recipes import combine_layers
 
     total_start = time.perf_counter()
     if model is None:
         model, tokenizer = models.load_smollm2(torch.float32)
-    queries = load_clinc150(sizes)
+    queries, intents = load_clinc150(sizes, with_intents=True)
     prompts = {split: [models.chat_prompt(tokenizer, q) for q in texts] for split, texts in queries.items()}
+    layers = None if layer is None else (layer if isinstance(layer, tuple) else (layer,))
+    recipe = recipe_for(prompts["train"], layers, pooling, span, transform=transform)
 
     start = time.perf_counter()
     cache = cache_dir or _cache_dir()
-    features = {split: extract_features(model, tokenizer, p, layer=layer, pooling=pooling, cache_dir=cache,
-                                        progress=progress) for split, p in prompts.items()}
+    features = {split: combine_layers(extract_features(
+        model, tokenizer, p, layer=list(recipe.layers), pooling=recipe.pooling, cache_dir=cache, progress=progress,
+        skip_first=recipe.skip_first, skip_last=recipe.skip_last), recipe.combine) for split, p in prompts.items()}
     features_s = time.perf_counter() - start
 
     scorers = {}
-    for name, (scorer, fit_s) in _scorers(features["train"], sizes, progress).items():
+    for name, (scorer, fit_s) in _scorers(features["train"], intents["train"], recipe.transform, sizes).items():
         threshold = scorer.threshold(features["val"], tpr=0.95)
         with torch.no_grad():
             in_scores, oos_scores = scorer.score(features["test"]), scorer.score(features["oos_test"])
@@ -177,7 +213,7 @@ def run(sizes: Sizes, out_dir: pathlib.Path, model=None, tokenizer=None, layer: 
     plain_lengths = [len(r.output) for r in plain]
     runs = {"no gate": _serving_row(plain_engine, plain, in_scope, plain_s)}
     for name, s in scorers.items():
-        gate = OODGate(s["scorer"], s["threshold"], layer=layer, pooling=pooling)
+        gate = OODGate.from_recipe(s["scorer"], s["threshold"], recipe)
         engine, requests, seconds = _serve(model, served_prompts, sizes, f"{name} gate", gate, progress)
         mismatched = [r.id for r, p in zip(requests, plain) if not r.refused and r.output != p.output]
         row = _serving_row(engine, requests, in_scope, seconds)
@@ -194,7 +230,9 @@ def run(sizes: Sizes, out_dir: pathlib.Path, model=None, tokenizer=None, layer: 
 
     report = {
         "mode": sizes.name, "sizes": dataclasses.asdict(sizes), "model": "SmolLM2-135M-Instruct (float32)",
-        "layer": layer, "pooling": pooling, "torch_threads": torch.get_num_threads(),
+        "recipe": str(recipe), "layer": list(recipe.layers), "pooling": recipe.pooling,
+        "skip": [recipe.skip_first, recipe.skip_last], "transform": recipe.transform,
+        "torch_threads": torch.get_num_threads(),
         "split_sizes": {k: len(v) for k, v in queries.items()},
         "features_s": features_s, "prompt_tokens_mean": statistics.mean(map(len, served_prompts)),
         "scorers": {name: {k: v for k, v in s.items() if k not in ("scorer", "roc", "scores")}
@@ -242,8 +280,9 @@ def markdown(report: dict) -> str:
     n, sizes, serving = report["split_sizes"], report["sizes"], report["serving"]
     subsets = "All of CLINC150" if report["mode"] == "full" else "Random subsets of CLINC150 (seed 0)"
     intro = (
-        f"SmolLM2-135M-Instruct (float32) on CLINC150 chat prompts; features: hidden state {report['layer']}, "
-        f"{report['pooling']}-pooled over the prompt. {subsets}: fit on {n['train']} in-scope training queries, "
+        f"SmolLM2-135M-Instruct (float32) on CLINC150 chat prompts; the gate's recipe: {report['recipe']} "
+        f"(positions {report['skip'][0]} and {report['skip'][1]} from the end left out: the chat template). "
+        f"{subsets}: fit on {n['train']} in-scope training queries, "
         f"thresholds at 95% TPR on {n['val']} in-scope validation queries, scored on {n['test']} in-scope test vs "
         f"{n['oos_test']} out-of-scope test queries. Served: {sizes['served_in_scope']} in-scope and "
         f"{sizes['served_out_of_scope']} out-of-scope test queries, shuffled, greedy, up to "
@@ -251,7 +290,7 @@ def markdown(report: dict) -> str:
         f"{report['total_s']:.0f} s (features {report['features_s']:.0f} s; cached on disk for later runs)."
     )
     detection = _table(
-        ["scorer (label-free)", "AUROC", "FPR at 95% TPR", "AUPR", "fit s", "threshold (val)",
+        ["scorer (no out-of-scope data)", "AUROC", "FPR at 95% TPR", "AUPR", "fit s", "threshold (val)",
          "test in-scope accepted", "test out-of-scope accepted"],
         [[name, f"{s['auroc']:.4f}", f"{s['fpr95']:.4f}", f"{s['aupr']:.4f}", f"{s['fit_s']:.2f}",
           f"{s['threshold']:.4g}", f"{s['test_in_scope_accepted']:.3f}", f"{s['test_out_of_scope_accepted']:.3f}"]
@@ -287,7 +326,8 @@ def _plot(report: dict, scorers: dict, path: pathlib.Path) -> None:
         roc_ax.plot(*s["roc"], label=f"{name} (AUROC {s['auroc']:.3f})")
     roc_ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
     roc_ax.set(xlabel="in-scope flagged (FPR)", ylabel="out-of-scope flagged (TPR)",
-               title=f"CLINC150, SmolLM2 hidden state {report['layer']} ({report['pooling']})")
+               title=f"CLINC150, SmolLM2 hidden state {'+'.join(map(str, report['layer']))} "
+                     f"({report['pooling']}, {report['transform']})")
     roc_ax.legend(loc="lower right")
     names = list(report["serving"])
     rows = [report["serving"][n] for n in names]
@@ -312,7 +352,7 @@ def default_out_dir() -> pathlib.Path:
 
 
 def main(mode: str, out_dir: pathlib.Path | None = None, layer: int | None = None, pooling: str | None = None,
-         threads: int | None = None) -> int:
+         threads: int | None = None, span: str | None = None, transform: str | None = None) -> int:
     """The CLI: run, print the Markdown report, say where the files went."""
     from . import models
 
@@ -325,7 +365,12 @@ def main(mode: str, out_dir: pathlib.Path | None = None, layer: int | None = Non
             return 2
         torch.set_num_threads(threads)
     out_dir = out_dir or default_out_dir()
-    report = run(SIZES[mode], out_dir, layer=LAYER if layer is None else layer, pooling=pooling or POOLING)
+    from .ood.recipes import TRANSFORMS
+
+    if transform is not None and transform not in TRANSFORMS:
+        print(f"goodput: --transform: expected one of {TRANSFORMS}, got {transform!r}", file=sys.stderr)
+        return 2
+    report = run(SIZES[mode], out_dir, layer=layer, pooling=pooling, span=span, transform=transform)
     print(markdown(report))
     print(f"written: {out_dir / _stem(mode)}.{{md,json,png}}")
     return 0

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 import torch_kernels
-from torch_kernels.ood.features import normalize_layer
+from torch_kernels.ood.features import normalize_layers, pool_span
 from torch_kernels.ood.gate import OODGate
+from torch_kernels.ood.recipes import combine_layers
 
 __all__ = ["PagedKVCache", "PagedLlama", "Request", "StepStats", "Engine"]
 
@@ -107,14 +108,17 @@ class PagedLlama(nn.Module):
 
         With ``hidden_layer`` (in ``0..num_layers``), also the hidden states ``[T, hidden]`` there,
         indexed as transformers' ``output_hidden_states``: the input of layer ``hidden_layer``, or
-        after the final norm for ``num_layers``; returns ``(logits, hidden_states)``.
+        after the final norm for ``num_layers``; returns ``(logits, hidden_states)``. A tuple of
+        layers gives ``[len(hidden_layer), T, hidden]``.
         """
         inner, t = self.model.model, input_ids.shape[0]
+        wanted = hidden_layer if isinstance(hidden_layer, tuple) else (hidden_layer,)
+        captured = {}
         hidden = inner.embed_tokens(input_ids)
         cos, sin = (x[0, :, None] for x in inner.rotary_emb(hidden[None], positions[None]))  # [T, 1, D]
         for i, layer in enumerate(inner.layers):
-            if i == hidden_layer:
-                captured = hidden
+            if i in wanted:
+                captured[i] = hidden
             attn, x = layer.self_attn, layer.input_layernorm(hidden)
             q = attn.q_proj(x).view(t, self.num_heads, self.head_size)
             k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
@@ -133,7 +137,11 @@ class PagedLlama(nn.Module):
         logits = self.model.lm_head(inner.norm(hidden[logit_rows]))
         if hidden_layer is None:
             return logits
-        return logits, inner.norm(hidden) if hidden_layer == len(inner.layers) else captured
+        if len(inner.layers) in wanted:
+            captured[len(inner.layers)] = inner.norm(hidden)
+        if isinstance(hidden_layer, tuple):
+            return logits, torch.stack([captured[i] for i in hidden_layer])
+        return logits, captured[hidden_layer]
 
 
 @dataclasses.dataclass
@@ -149,7 +157,8 @@ class Request:
     finished: bool = False
     refused: bool = False  # by the engine's OOD gate, after prefill and before any generated token
     ood_score: float | None = None  # the gate's score of the prompt
-    # the gate's running sum of the prompt's hidden states, over its prefill chunks (mean pooling)
+    # the gate's running sum of the prompt's pooled hidden states [layers, hidden], over its prefill
+    # chunks (mean pooling), or the pooled position's states (last pooling)
     hidden_sum: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -204,7 +213,7 @@ class Engine:
             raise TypeError(f"ood_gate: expected a torch_kernels.ood.OODGate or None, got {type(ood_gate).__name__}")
         self.runner = PagedLlama(model, implementation)
         self.ood_gate = ood_gate
-        self._gate_layer = None if ood_gate is None else normalize_layer(ood_gate.layer, self.runner.num_layers)
+        self._gate_layer = None if ood_gate is None else normalize_layers(ood_gate.layers, self.runner.num_layers)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.cache = self.runner.make_cache(num_blocks, block_size)
         self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write
@@ -233,6 +242,8 @@ class Engine:
                                  f"got {token} at index {i}")
         if not prompt:
             raise ValueError(f"{name}: expected at least one token, got none")
+        if self.ood_gate is not None:  # the gate must find positions to pool once the prefill ends
+            pool_span(len(prompt), self.ood_gate.skip_first, self.ood_gate.skip_last, name)
         _check_count("max_new_tokens", max_new_tokens)
         seq = Request(-1, [int(token) for token in prompt], int(max_new_tokens))
         if seq.blocks_needed(self.cache) > self.cache.num_blocks:
@@ -345,23 +356,34 @@ class Engine:
         ``(prompts scored, ids refused)``. ``rows[j]`` is chunk ``j``'s last row in the batch."""
         gate = self.ood_gate
         prefill = [(j, seq, n) for j, (seq, n) in enumerate(chunks) if seq.in_prefill]
-        if gate.pooling == "mean" and prefill:
-            # one index_add sums every prefill chunk's rows into its own row of chunk_sums
-            row_ids = torch.cat([torch.arange(rows[j] - n + 1, rows[j] + 1) for j, _, n in prefill])
-            owner = torch.cat([torch.full((n,), k) for k, (_, _, n) in enumerate(prefill)])
-            chunk_sums = torch.zeros(len(prefill), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-            chunk_sums.index_add_(0, owner.to(hidden.device), hidden[row_ids.to(hidden.device)].float())
-            for k, (_, seq, _) in enumerate(prefill):
-                seq.hidden_sum = chunk_sums[k] if seq.hidden_sum is None else seq.hidden_sum + chunk_sums[k]
+        row_ids, owner = [], []
+        for k, (j, seq, n) in enumerate(prefill):
+            # the chunk's rows hold positions num_cached .. num_cached + n - 1; keep the pooled ones
+            start, stop = pool_span(len(seq.prompt), gate.skip_first, gate.skip_last, "prompt")
+            if gate.pooling == "last":
+                start = stop - 1
+            first, last = max(start, seq.num_cached), min(stop, seq.num_cached + n)
+            if first < last:
+                row_ids.append(torch.arange(rows[j] - n + 1 + first - seq.num_cached, rows[j] - n + 1 + last - seq.num_cached))
+                owner.append(torch.full((last - first,), k))
+        if row_ids:
+            # one index_add sums every prefill chunk's pooled rows into its own row of chunk_sums
+            row_ids, owner = torch.cat(row_ids).to(hidden.device), torch.cat(owner).to(hidden.device)
+            chunk_sums = torch.zeros(hidden.shape[0], len(prefill), hidden.shape[2], dtype=torch.float32,
+                                     device=hidden.device)
+            chunk_sums.index_add_(1, owner, hidden[:, row_ids].float())
+            for k in owner.unique().tolist():
+                seq = prefill[k][1]
+                seq.hidden_sum = chunk_sums[:, k] if seq.hidden_sum is None else seq.hidden_sum + chunk_sums[:, k]
         ending = [(j, seq) for j, seq, n in prefill if seq.num_cached + n == len(seq.prompt)]
         if not ending:
             return 0, ()
-        if gate.pooling == "mean":
-            features = torch.stack([seq.hidden_sum / len(seq.prompt) for _, seq in ending])
-            for _, seq in ending:
-                seq.hidden_sum = None
-        else:
-            features = hidden[[rows[j] for j, _ in ending]].float()
+        pooled = []
+        for _, seq in ending:
+            start, stop = pool_span(len(seq.prompt), gate.skip_first, gate.skip_last, "prompt")
+            pooled.append(seq.hidden_sum / (stop - start) if gate.pooling == "mean" else seq.hidden_sum)
+            seq.hidden_sum = None
+        features = combine_layers(torch.stack(pooled), gate.combine)  # [B, layers, hidden] -> [B, D]
         for (_, seq), score in zip(ending, gate.score(features)):
             seq.ood_score, seq.refused = score, gate.refuses(score)
         return len(ending), tuple(seq.id for _, seq in ending if seq.refused)

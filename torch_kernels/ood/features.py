@@ -6,12 +6,23 @@
 ``0`` is the embedding output (the first layer's input), ``i`` the output of layer ``i`` (the input
 of layer ``i + 1``), and the last, ``num_hidden_layers`` or ``-1``, the model's
 ``last_hidden_state`` (after the final norm in a causal LM). The forward stops at the requested
-layer, so an early layer costs only the layers before it.
+layer, so an early layer costs only the layers before it. Several layers (``layer=[2, 8, 30]``)
+come from one forward pass, as ``[N, len(layer), hidden]``.
+
+``skip_first`` / ``skip_last`` leave positions at either end out of the pooling: ``skip_first=1``
+the first token, whose states are the attention sink's few huge activations; a chat template's
+shared prefix and suffix (:func:`torch_kernels.ood.recipes.shared_span` counts them), which are
+the same in every prompt and only dilute what the question itself does to the states. For a
+causal LM, a prefix that every text shares and the pooling skips runs once, its keys and values
+reused for every batch (its states cannot depend on the tokens after it), which makes
+chat-templated prompts several times cheaper to extract.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
 import json
 import numbers
 import os
@@ -21,7 +32,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["extract_features", "POOLINGS", "normalize_layer"]
+__all__ = ["extract_features", "POOLINGS", "normalize_layer", "normalize_layers", "pool_span"]
 
 POOLINGS = ("mean", "last")
 
@@ -34,6 +45,34 @@ def normalize_layer(layer, num_layers: int) -> int:
         raise ValueError(f"layer: expected an index in [{-(num_layers + 1)}, {num_layers}] (the model has "
                          f"{num_layers} layers, so {num_layers + 1} hidden states), got {layer}")
     return int(layer) % (num_layers + 1)
+
+
+def normalize_layers(layer, num_layers: int) -> tuple[int, ...]:
+    """``layer`` (an int or a non-empty sequence of ints) as a tuple of indices in ``0..num_layers``."""
+    if isinstance(layer, Sequence) and not isinstance(layer, (str, bytes)):
+        if not layer:
+            raise ValueError("layer: expected an int or a non-empty sequence of ints, got an empty sequence")
+        return tuple(normalize_layer(i, num_layers) for i in layer)
+    return (normalize_layer(layer, num_layers),)
+
+
+def pool_span(length: int, skip_first: int, skip_last: int, name: str = "texts") -> tuple[int, int]:
+    """``(start, stop)``: the positions of a ``length``-token text that are pooled; a ValueError
+    naming ``name`` when none is left."""
+    start, stop = skip_first, length - skip_last
+    if stop <= start:
+        raise ValueError(f"{name}: expected more than skip_first + skip_last = {skip_first + skip_last} tokens "
+                         f"(positions to pool), got {length}")
+    return start, stop
+
+
+def check_span(skip_first, skip_last) -> None:
+    """``skip_first`` and ``skip_last`` as ints >= 0, else an error naming the bad one."""
+    for name, n in (("skip_first", skip_first), ("skip_last", skip_last)):
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            raise TypeError(f"{name}: expected an int, got {type(n).__name__} {n!r}")
+        if n < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {n}")
 
 
 def check_pooling(pooling) -> str:
@@ -62,23 +101,47 @@ def _layer_list(model: nn.Module) -> nn.ModuleList:
                     f"got {type(model).__name__}")
 
 
-def _hidden_states(model: nn.Module, layers: nn.ModuleList, layer: int, input_ids, attention_mask) -> torch.Tensor:
-    """``[B, T, hidden]`` at ``layer`` (an index in ``0..len(layers)``), running no layer past it."""
+def _hidden_states(model: nn.Module, layers: nn.ModuleList, wanted: tuple[int, ...], input_ids,
+                   attention_mask, **kwargs) -> list[torch.Tensor]:
+    """``[B, T, hidden]`` at each index of ``wanted`` (in ``0..len(layers)``), from one forward pass
+    that runs no layer past the last one wanted."""
     base = model.base_model
-    if layer == len(layers):
-        return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    captured = {}
+    last = max(wanted)
 
-    def capture(module, args, kwargs):
-        raise _Stop(args[0] if args else kwargs["hidden_states"])
+    def capture(index):
+        def hook(module, args, kwargs):
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+            if index == last:
+                raise _Stop(captured[index])
+        return hook
 
-    handle = layers[layer].register_forward_pre_hook(capture, with_kwargs=True)
+    handles = [layers[i].register_forward_pre_hook(capture(i), with_kwargs=True) for i in set(wanted)
+               if i < len(layers)]
     try:
-        base(input_ids=input_ids, attention_mask=attention_mask)
-    except _Stop as stop:
-        return stop.hidden
+        output = base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        captured[len(layers)] = output.last_hidden_state
+    except _Stop:
+        pass
     finally:
-        handle.remove()
-    raise RuntimeError(f"model: layer {layer} never ran")
+        for handle in handles:
+            handle.remove()
+    missing = [i for i in wanted if i not in captured]
+    if missing:
+        raise RuntimeError(f"model: layers {missing} never ran")
+    return [captured[i] for i in wanted]
+
+
+def _reusable_prefix(model: nn.Module, ids: list[list[int]], skip_first: int) -> int:
+    """How many leading tokens every text shares and the pooling skips, for a causal LM (0 for
+    other models): their states depend on nothing after them, so they can run once."""
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        return 0
+    shared = 0
+    while shared < skip_first and all(len(seq) > shared + 1 and seq[shared] == ids[0][shared] for seq in ids):
+        shared += 1
+    return shared
 
 
 def _token_ids(tokenizer, texts) -> list[list[int]]:
@@ -123,8 +186,11 @@ def _model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _cache_path(cache_dir, model, layer: int, pooling: str, ids: list[list[int]]) -> pathlib.Path:
-    digest = hashlib.sha256(f"{_model_fingerprint(model)}|layer={layer}|pooling={pooling}".encode())
+def _cache_path(cache_dir, model, layer, pooling: str, ids: list[list[int]], span=(0, 0)) -> pathlib.Path:
+    key = f"{_model_fingerprint(model)}|layer={layer}|pooling={pooling}"
+    if span != (0, 0):  # the key of an unskipped call is unchanged, so earlier caches stay valid
+        key += f"|skip={span}"
+    digest = hashlib.sha256(key.encode())
     for seq in ids:
         digest.update(torch.tensor(seq, dtype=torch.int64).numpy().tobytes())
         digest.update(b"|")
@@ -132,9 +198,11 @@ def _cache_path(cache_dir, model, layer: int, pooling: str, ids: list[list[int]]
 
 
 @torch.no_grad()  # not inference_mode: the features must stay usable as inputs of a training fit
-def extract_features(model: nn.Module, tokenizer, texts, layer: int = -1, pooling: str = "mean",
-                     batch_size: int = 16, progress: bool = True, cache_dir=None) -> torch.Tensor:
-    """``[len(texts), hidden]`` float32: each text's hidden states at ``layer``, pooled over its tokens.
+def extract_features(model: nn.Module, tokenizer, texts, layer: int | Sequence[int] = -1, pooling: str = "mean",
+                     batch_size: int = 16, progress: bool = True, cache_dir=None, skip_first: int = 0,
+                     skip_last: int = 0) -> torch.Tensor:
+    """``[len(texts), hidden]`` float32: each text's hidden states at ``layer``, pooled over its tokens
+    (``[len(texts), len(layer), hidden]`` for a sequence of layers, all from one forward pass).
 
     Args:
         model: a transformers model (a causal LM such as ``LlamaForCausalLM``, or an encoder such
@@ -142,20 +210,26 @@ def extract_features(model: nn.Module, tokenizer, texts, layer: int = -1, poolin
         tokenizer: encodes the string entries of ``texts`` (special tokens added as the tokenizer
             does by default); may be ``None`` when every entry is already token ids.
         texts: strings, or token-id sequences (e.g. chat-templated prompts), or a mix.
-        layer: which hidden state (see the module docstring); negative counts from the end.
-        pooling: ``"mean"`` over the text's tokens or its ``"last"`` token; padding never counts.
+        layer: which hidden state (see the module docstring), or a sequence of them; negative
+            counts from the end.
+        pooling: ``"mean"`` over the text's pooled positions or the ``"last"`` of them; padding
+            never counts.
         batch_size: texts per forward pass; texts are batched by length (less padding) and padded
             on the right, so a causal LM's positions are those of the text alone.
         progress: a tqdm bar over the batches (if tqdm is installed).
         cache_dir: if given, the result is stored there under a hash of the model (class, config,
             a parameter sample), ``layer``, ``pooling`` and the token ids, and read back on a later
             call with the same content.
+        skip_first, skip_last: positions left out of the pooling at the start and at the end of
+            each text (see the module docstring); every text needs at least one left.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a transformers model (an nn.Module), got {type(model).__name__}")
     layers = _layer_list(model)
-    layer = normalize_layer(layer, len(layers))
+    several = isinstance(layer, Sequence) and not isinstance(layer, (str, bytes))
+    wanted = normalize_layers(layer, len(layers))
     check_pooling(pooling)
+    check_span(skip_first, skip_last)
     if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
         raise TypeError(f"batch_size: expected an int, got {type(batch_size).__name__} {batch_size!r}")
     if batch_size < 1:
@@ -163,34 +237,58 @@ def extract_features(model: nn.Module, tokenizer, texts, layer: int = -1, poolin
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir: expected a path or None, got {type(cache_dir).__name__}")
     ids = _token_ids(tokenizer, texts)
+    spans = [pool_span(len(seq), skip_first, skip_last, f"texts[{i}]") for i, seq in enumerate(ids)]
 
-    path = _cache_path(cache_dir, model, layer, pooling, ids) if cache_dir is not None else None
+    key_layer = list(wanted) if several else wanted[0]
+    path = (_cache_path(cache_dir, model, key_layer, pooling, ids, (skip_first, skip_last))
+            if cache_dir is not None else None)
     if path is not None and path.is_file():
         return torch.load(path)
 
     device = next(model.parameters()).device
     pad = getattr(tokenizer, "pad_token_id", None) or 0  # any id: padded positions are masked out
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out = torch.empty(len(ids), model.config.hidden_size, dtype=torch.float32)
+    out = torch.empty(len(ids), len(wanted), model.config.hidden_size, dtype=torch.float32)
     starts = range(0, len(order), batch_size)
     try:
         from tqdm.auto import tqdm
 
-        starts = tqdm(starts, desc=f"features (layer {layer}, {pooling})", unit="batch", disable=not progress)
+        starts = tqdm(starts, desc=f"features (layer {key_layer}, {pooling})", unit="batch", disable=not progress)
     except ImportError:
         pass
+    # a shared prefix the pooling skips (a chat template's) runs once; its keys and values are reused
+    reuse = _reusable_prefix(model, ids, skip_first)
+    prefix_cache = None
+    if reuse:
+        # transformers 5 renamed the argument past_key_values to cache
+        cache_arg = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+        output = model.base_model(input_ids=torch.tensor([ids[0][:reuse]], device=device), use_cache=True)
+        prefix_cache = getattr(output, "past_key_values", None) or output.cache
     for start in starts:
         batch = order[start:start + batch_size]
-        lengths = torch.tensor([len(ids[i]) for i in batch], device=device)
+        lengths = torch.tensor([len(ids[i]) - reuse for i in batch], device=device)
         width = int(lengths.max())
-        input_ids = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in batch], device=device)
-        mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-        hidden = _hidden_states(model, layers, layer, input_ids, mask).float()
-        if pooling == "mean":
-            pooled = (hidden * mask[..., None]).sum(dim=1) / lengths[:, None]
-        else:
-            pooled = hidden[torch.arange(len(batch), device=device), lengths - 1]
-        out[batch] = pooled.cpu()
+        input_ids = torch.tensor([ids[i][reuse:] + [pad] * (width - len(ids[i]) + reuse) for i in batch], device=device)
+        positions = torch.arange(width, device=device)[None, :]
+        mask = (positions < lengths[:, None]).long()
+        first = torch.tensor([spans[i][0] - reuse for i in batch], device=device)[:, None]
+        stop = torch.tensor([spans[i][1] - reuse for i in batch], device=device)
+        pooled_mask = (positions >= first) & (positions < stop[:, None])
+        extra = {}
+        if reuse:
+            past = copy.deepcopy(prefix_cache)
+            past.batch_repeat_interleave(len(batch))
+            mask = torch.cat([torch.ones(len(batch), reuse, dtype=mask.dtype, device=device), mask], dim=1)
+            extra = {cache_arg: past, "use_cache": True}
+        for k, hidden in enumerate(_hidden_states(model, layers, wanted, input_ids, mask, **extra)):
+            hidden = hidden.float()
+            if pooling == "mean":
+                pooled = (hidden * pooled_mask[..., None]).sum(dim=1) / (stop - first[:, 0])[:, None]
+            else:
+                pooled = hidden[torch.arange(len(batch), device=device), stop - 1]
+            out[batch, k] = pooled.cpu()
+    if not several:
+        out = out[:, 0]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -357,6 +357,11 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
                                    backends.implementation_arg(implementation))
 
 
+# transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``):
+# causal-conv1d's names, argument names and layouts
+TRANSFORMERS_HUB_FUNCTIONS = {"causal_conv1d_fn": causal_conv1d_fn, "causal_conv1d_update": causal_conv1d_update}
+
+
 # ---- self-test cases ----
 
 def conv1d_inputs(gen, dtype, device, batch=2, dim=40, length=37, width=4):

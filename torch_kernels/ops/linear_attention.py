@@ -419,6 +419,13 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
                        use_qk_l2norm_in_kernel, cu_seqlens, implementation)
 
 
+# transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``
+# routes a model's calls of them here): fla's names, argument names and layouts
+TRANSFORMERS_HUB_FUNCTIONS = {"chunk_gated_delta_rule": chunk_gated_delta_rule,
+                              "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+                              "chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}
+
+
 # ---- self-test cases ----
 
 def linear_attention_inputs(gen, dtype, device, delta=True, cu_seqlens=(0, 30, 75), heads=(2, 4), k_dim=32, v_dim=48,
