@@ -48,3 +48,28 @@ def sequence_of(cu_q_lens_ptr, num_seqs, block, BLOCK_Q: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
+    """float32 ``x`` (already divided by its scale) rounded to the cache dtype, as stored."""
+    if CACHE_KIND == 1:  # int8: round half to even, saturate
+        x = tl.where(x != x, 0.0, x)  # int8 has no NaN: 0 (a float -> int cast of NaN varies by device)
+        x = tl.minimum(tl.maximum(x, -128.0), 127.0)
+        x = (x + 12582912.0) - 12582912.0  # 1.5 * 2**23 rounds to an integer, half to even
+    elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value; NaN stays NaN (a plain min/max drops it)
+        if cache_dtype == tl.float8e4nv:
+            y = round_to_fp8_grid(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), 3, -6)
+        else:
+            y = round_to_fp8_grid(tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL), 2, -14)
+        # NaN as all exponent and mantissa bits (the interpreter's cast makes NaN a finite code)
+        code = y.to(cache_dtype).to(tl.uint8, bitcast=True)
+        return tl.where(x != x, code | 0x7F, code).to(tl.uint8).to(cache_dtype, bitcast=True)
+    return x.to(cache_dtype)
+
+
+@triton.jit
+def entry_offset(slot, block_stride, slot_stride, BLOCK_SIZE: tl.constexpr):
+    """Offset of slot ``slot``'s row (kv head 0, dimension 0) in a cache with these strides."""
+    slot = slot.to(tl.int64)
+    return slot // BLOCK_SIZE * block_stride + slot % BLOCK_SIZE * slot_stride

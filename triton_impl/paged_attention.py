@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import arch_of, autotune, for_device
-from .common import round_to_fp8_grid, sequence_of
+from .common import entry_offset, round_to_cache, sequence_of
 
 # cache dtype -> how the kernels round a float32 value to it
 _CACHE_KINDS = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.int8: 1,
@@ -92,31 +92,6 @@ def default_config(num_tokens: int, num_seqs: int, group: int, head_size: int, m
 
 
 @triton.jit
-def _round_to_cache(x, CACHE_KIND: tl.constexpr, cache_dtype):
-    """float32 ``x`` (already divided by its scale) rounded to the cache dtype, as stored."""
-    if CACHE_KIND == 1:  # int8: round half to even, saturate
-        x = tl.where(x != x, 0.0, x)  # int8 has no NaN: 0 (a float -> int cast of NaN varies by device)
-        x = tl.minimum(tl.maximum(x, -128.0), 127.0)
-        x = (x + 12582912.0) - 12582912.0  # 1.5 * 2**23 rounds to an integer, half to even
-    elif CACHE_KIND == 2:  # fp8: saturate to the largest finite value; NaN stays NaN (a plain min/max drops it)
-        if cache_dtype == tl.float8e4nv:
-            y = round_to_fp8_grid(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), 3, -6)
-        else:
-            y = round_to_fp8_grid(tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL), 2, -14)
-        # NaN as all exponent and mantissa bits (the interpreter's cast makes NaN a finite code)
-        code = y.to(cache_dtype).to(tl.uint8, bitcast=True)
-        return tl.where(x != x, code | 0x7F, code).to(tl.uint8).to(cache_dtype, bitcast=True)
-    return x.to(cache_dtype)
-
-
-@triton.jit
-def _entry_offset(slot, block_stride, slot_stride, BLOCK_SIZE: tl.constexpr):
-    """Offset of slot ``slot``'s row (kv head 0, dimension 0) in a cache with these strides."""
-    slot = slot.to(tl.int64)
-    return slot // BLOCK_SIZE * block_stride + slot % BLOCK_SIZE * slot_stride
-
-
-@triton.jit
 def reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     k_block_stride, k_slot_stride, k_head_stride, v_block_stride, v_slot_stride, v_head_stride,
@@ -137,12 +112,12 @@ def reshape_and_cache_kernel(
         k = tl.load(key_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(value_ptr + token * HKV * D + offsets, mask=mask, other=0.0).to(tl.float32)
         cache_dtype = key_cache_ptr.dtype.element_ty
-        k_entry = _entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + heads[:, None] * k_head_stride
-        v_entry = _entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + heads[:, None] * v_head_stride
+        k_entry = entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + heads[:, None] * k_head_stride
+        v_entry = entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + heads[:, None] * v_head_stride
         tl.store(key_cache_ptr + k_entry + dims[None, :],
-                 _round_to_cache(k / k_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
+                 round_to_cache(k / k_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
         tl.store(value_cache_ptr + v_entry + dims[None, :],
-                 _round_to_cache(v / v_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
+                 round_to_cache(v / v_scale[:, None], CACHE_KIND, cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -164,7 +139,7 @@ def _load_keys(cache_ptr, new_ptr, scale, entry, new_row, kv_ok, is_new, kv_head
     if FUSED:
         fresh = tl.load(new_ptr + (new_row[:, None] * HKV + kv_head) * D + dims[None, :],
                         mask=(kv_ok & is_new)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        stored = _round_to_cache(fresh / scale, CACHE_KIND, cache_ptr.dtype.element_ty)
+        stored = round_to_cache(fresh / scale, CACHE_KIND, cache_ptr.dtype.element_ty)
         entries = tl.where(is_new[:, None], stored, entries)
     return entries
 
@@ -420,14 +395,14 @@ def paged_attention_kernel(
                 slot = tl.load(slot_ptr + new_tokens, mask=new_tokens < q_end, other=-1)
                 write = (slot >= 0)[:, None] & d_ok[None, :]
                 source = (new_tokens.to(tl.int64)[:, None] * HKV + kv_head) * D + dims[None, :]
-                k_entry = _entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + kv_head * k_head_stride
-                v_entry = _entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + kv_head * v_head_stride
+                k_entry = entry_offset(slot, k_block_stride, k_slot_stride, BLOCK_SIZE) + kv_head * k_head_stride
+                v_entry = entry_offset(slot, v_block_stride, v_slot_stride, BLOCK_SIZE) + kv_head * v_head_stride
                 k_new = tl.load(key_ptr + source, mask=write, other=0.0).to(tl.float32)
                 v_new = tl.load(value_ptr + source, mask=write, other=0.0).to(tl.float32)
                 tl.store(key_cache_ptr + k_entry[:, None] + dims[None, :],
-                         _round_to_cache(k_new / k_scale, CACHE_KIND, cache_dtype), mask=write)
+                         round_to_cache(k_new / k_scale, CACHE_KIND, cache_dtype), mask=write)
                 tl.store(value_cache_ptr + v_entry[:, None] + dims[None, :],
-                         _round_to_cache(v_new / v_scale, CACHE_KIND, cache_dtype), mask=write)
+                         round_to_cache(v_new / v_scale, CACHE_KIND, cache_dtype), mask=write)
 
 
 @triton.jit
@@ -452,7 +427,9 @@ def _dot_in_float32(dtype: torch.dtype, interpreted: bool) -> bool:
     return interpreted or dtype == torch.float32
 
 
-def _check_dtype(cache: torch.Tensor) -> int:
+def check_cache_dtype(cache: torch.Tensor) -> int:
+    """How the kernels round to ``cache``'s dtype (``round_to_cache``'s CACHE_KIND); NotImplementedError
+    where this device cannot store it."""
     kind = _CACHE_KINDS.get(cache.dtype)
     if kind is None:
         raise NotImplementedError(f"triton: cache dtype {cache.dtype} is not supported")
@@ -481,7 +458,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         *cache_strides(key_cache), *cache_strides(value_cache),
         HKV=num_kv_heads, D=head_size, HP=triton.next_power_of_2(num_kv_heads),
-        DP=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[1], CACHE_KIND=_check_dtype(key_cache),
+        DP=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[1], CACHE_KIND=check_cache_dtype(key_cache),
     )
 
 
@@ -527,7 +504,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     num_tokens, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = kv_lens.shape[0]
-    cache_kind = _check_dtype(key_cache)
+    cache_kind = check_cache_dtype(key_cache)
     fused = key is not None and num_tokens > 0 and writes_own_pages(
         cu_q_lens, kv_lens, block_table, slot_mapping, block_size, num_blocks)
     if key is not None and not fused:
@@ -575,7 +552,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     return out
 
 
-_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
@@ -586,7 +563,7 @@ _STRIDE_SIGNATURE = {f"{cache}_{dim}_stride": "i32" for cache in "kv" for dim in
 def write_compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int = 128,
                           num_kv_heads: int = 8, block_size: int = 16):
     """(signature, constexprs) to build the write kernel ahead of time."""
-    new, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
+    new, cache = "*" + TRITON_TYPES[query_dtype], "*" + TRITON_TYPES[cache_dtype]
     signature = {"key_ptr": new, "value_ptr": new, "key_cache_ptr": cache, "value_cache_ptr": cache,
                  "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **_STRIDE_SIGNATURE}
     constexprs = {"HKV": num_kv_heads, "D": head_size, "HP": triton.next_power_of_2(num_kv_heads),
@@ -600,7 +577,7 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
                     block_size: int = 16, decode: bool = True, fused: bool = False, arch: int = 90):
     """(signature, constexprs, config) to build the attention kernel ahead of time for compute
     capability ``arch``, with the config a launch of these sizes takes."""
-    q, cache = "*" + _TRITON_TYPES[query_dtype], "*" + _TRITON_TYPES[cache_dtype]
+    q, cache = "*" + TRITON_TYPES[query_dtype], "*" + TRITON_TYPES[cache_dtype]
     config = default_config(64 if decode else 4096, 64, group, head_size, 8192, 8, sm_count=132, arch=arch,
                             cache_dtype=cache_dtype)
     signature = {
@@ -657,7 +634,7 @@ def compile_groups(everything: bool) -> dict:
                 label=f"merge_splits {dtype_name(query_dtype)} out, {_MAX_SPLITS} splits, D={head_size}",
                 kernel=merge_splits_kernel,
                 signature={"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
-                           "out_ptr": "*" + _TRITON_TYPES[query_dtype], "num_rows": "i32",
+                           "out_ptr": "*" + TRITON_TYPES[query_dtype], "num_rows": "i32",
                            "NUM_SPLITS": "constexpr", "D": "constexpr", "DP": "constexpr"},
                 constexprs=dict(NUM_SPLITS=_MAX_SPLITS, D=head_size, DP=constexprs["DP"]), num_warps=4,
                 num_stages=None))

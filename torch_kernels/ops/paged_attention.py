@@ -166,7 +166,7 @@ def check_scalars(sm_scale, sliding_window=None, soft_cap=None) -> None:
                          f"got {soft_cap!r}")
 
 
-def _scale_checks(**scales) -> list[tuple[torch.Tensor, Callable[[], str]]]:
+def scale_checks(**scales) -> list[tuple[torch.Tensor, Callable[[], str]]]:
     """(whether some entry is not a finite number > 0, its error message) for each given scale;
     read with the op's one host sync for its index checks."""
     checks = []
@@ -179,7 +179,7 @@ def _scale_checks(**scales) -> list[tuple[torch.Tensor, Callable[[], str]]]:
     return checks
 
 
-def _raise_first(failures) -> None:
+def raise_first(failures) -> None:
     for failed, message in failures:
         if failed:
             raise ValueError(message())
@@ -193,9 +193,9 @@ def check_slots(slot_mapping, key_cache, k_scale=None, v_scale=None) -> None:
     ordered = slots.sort().values
     out_of_range = ((slot_mapping < -1) | (slot_mapping >= capacity)).any()
     shared = (ordered[1:] == ordered[:-1]).any()
-    scales = _scale_checks(k_scale=k_scale, v_scale=v_scale)
+    scales = scale_checks(k_scale=k_scale, v_scale=v_scale)
     flags = torch.stack([out_of_range, shared, *(bad for bad, _ in scales)]).tolist()  # one device sync
-    _raise_first([
+    raise_first([
         (flags[0], lambda: "slot_mapping: expected -1 (padding) or a slot in [0, "
                            f"{capacity}) (num_blocks * block_size), got {_first_bad(slot_mapping, (slot_mapping < -1) | (slot_mapping >= capacity))}"),
         (flags[1], lambda: "slot_mapping: expected each slot at most once, got slot "
@@ -228,9 +228,9 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale=Non
         (pages > max_blocks).any(),
         bad_block.any(),
     ]
-    scales = _scale_checks(k_scale=k_scale, v_scale=v_scale)
+    scales = scale_checks(k_scale=k_scale, v_scale=v_scale)
     flags = torch.stack(tests + [bad for bad, _ in scales]).tolist()  # one device sync for every test
-    _raise_first([
+    raise_first([
         (flags[0], lambda: f"cu_q_lens: expected to start at 0, got {int(cu_q_lens[0])}"),
         (flags[1], lambda: f"cu_q_lens: expected non-decreasing offsets, got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}"),
         (flags[2], lambda: f"cu_q_lens: expected to end at the number of query tokens {num_tokens}, got {int(cu_q_lens[-1])}"),
@@ -257,7 +257,7 @@ def _check_once(passed: LastBatch, check: Callable[[], None], scalars: tuple, te
     scales, when ``tensors`` and ``scalars`` equal the last ones that passed it (on the CPU)."""
     on_cpu = tensors[0].is_cpu
     if on_cpu and passed.get(scalars, *tensors):
-        _raise_first([(bool(bad), message) for bad, message in _scale_checks(k_scale=k_scale, v_scale=v_scale)])
+        raise_first([(bool(bad), message) for bad, message in scale_checks(k_scale=k_scale, v_scale=v_scale)])
         return
     check()
     if on_cpu:
@@ -409,7 +409,7 @@ register_cost(reshape_and_cache_op, flops=lambda a, out: 0,  # a copy
               bytes=lambda a, out: _write_bytes(a.key, a.value, a.key_cache, a.slot_mapping, a.k_scale, a.v_scale))
 
 
-def _check_tensors(**tensors) -> None:
+def check_tensors(**tensors) -> None:
     for name, t in tensors.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -444,7 +444,7 @@ def reshape_and_cache(
             caches; float caches round as their dtype does (overflow is inf).
         implementation: a backend name or ordered list (see ``torch_kernels.backends``).
     """
-    _check_tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+    check_tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                    slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
     reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                          backends.implementation_arg(implementation))
@@ -505,7 +505,7 @@ def ragged_paged_attention(
     Inputs are checked (lengths, page ids, slots) before any kernel runs; this reads the small
     index tensors once on the host. Inference only: it has no backward.
     """
-    _check_tensors(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
+    check_tensors(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
                    kv_lens=kv_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
                    key=key, value=value, slot_mapping=slot_mapping)
     check_scalars(sm_scale, sliding_window, soft_cap)  # before the dispatcher parses them less clearly

@@ -1,0 +1,469 @@
+"""``torch_kernels::mla_reshape_and_cache`` and ``torch_kernels::ragged_paged_mla``: multi-head
+latent attention (DeepSeek-V2/V3, Kimi K2) over a paged latent cache, in the absorbed form that
+inference runs (the math and the kernel contract: ``torch_kernels.reference.mla``).
+
+The batch description (``cu_q_lens``, ``kv_lens``, ``block_table``, ``slot_mapping``) and its
+checks are the paged attention family's: the latent cache ``[num_blocks, block_size, Lr + R]`` is
+addressed as its caches are, one latent row per token instead of ``Hkv`` key and value rows.
+Both ops are inference-only; the write mutates the cache in place (declared in its schema).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import _checks, backends
+from .._library import define, register_cost, tensor_bytes
+from ..families import Case
+from ..reference import mla as reference
+from . import paged_attention as paged
+
+__all__ = ["mla_reshape_and_cache", "ragged_paged_mla", "indexer_topk"]
+
+WRITE_OP = "mla_reshape_and_cache"
+OP = "ragged_paged_mla"
+INDEXER_OP = "indexer_topk"
+
+backends.register(WRITE_OP, "reference", reference.mla_reshape_and_cache)
+backends.register(WRITE_OP, "triton", "triton_impl.mla:mla_reshape_and_cache")
+backends.register(WRITE_OP, "pallas", "torch_kernels.pallas.mla:pallas_mla_reshape_and_cache")
+backends.register(WRITE_OP, "sycl", "oneapi_impl.mla:mla_reshape_and_cache")
+backends.register(OP, "reference", reference.ragged_paged_mla)
+backends.register(OP, "triton", "triton_impl.mla:ragged_paged_mla")
+backends.register(INDEXER_OP, "reference", reference.indexer_topk)
+
+CACHE_DTYPES = paged.reference.QUANTIZED_DTYPES  # besides the inputs' own dtype
+
+
+def _check_cache(kv_cache, dtype, width: int, width_what: str) -> None:
+    _checks.tensor("kv_cache", kv_cache, ndim=3, dtypes=(dtype, *CACHE_DTYPES))
+    _checks.size("kv_cache", 2, kv_cache.shape[2], width, width_what)
+    if not paged.is_cache_layout(kv_cache):  # a copy would lose the write
+        raise ValueError(f"kv_cache: expected a stride-1 last dimension and no two entries sharing memory (it is "
+                         f"written in place), got strides {kv_cache.stride()} for shape {tuple(kv_cache.shape)}")
+    if min(kv_cache.shape) == 0:
+        raise ValueError(f"kv_cache: expected no empty dimension, got shape {tuple(kv_cache.shape)}")
+
+
+def _check_scale(name: str, scale) -> None:
+    if scale is None:
+        return
+    _checks.tensor(name, scale, dtypes=(torch.float32,))
+    if scale.numel() != 1 or scale.dim() > 1:
+        raise ValueError(f"{name}: expected one float32 scale ([] or [1]), got shape {tuple(scale.shape)}")
+
+
+def check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+    """Shapes, dtypes and devices of a ``mla_reshape_and_cache`` call (no data read)."""
+    _checks.tensor("kv_c", kv_c, ndim=2, dtypes=paged.QUERY_DTYPES)
+    _checks.tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,))
+    _checks.size("k_pe", 0, k_pe.shape[0], kv_c.shape[0], "tokens T of kv_c")
+    _check_cache(kv_cache, kv_c.dtype, kv_c.shape[1] + k_pe.shape[1], "Lr + R of kv_c and k_pe")
+    _checks.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=paged.SLOT_DTYPES)
+    _checks.size("slot_mapping", 0, slot_mapping.shape[0], kv_c.shape[0], "tokens T of kv_c")
+    _check_scale("scale", scale)
+    _checks.same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                        **({} if scale is None else {"scale": scale}))
+
+
+def check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
+                 kv_scale=None) -> None:
+    """Shapes, dtypes, devices and scalars of a ``ragged_paged_mla`` call (no data read)."""
+    _checks.tensor("q_nope", q_nope, ndim=3, dtypes=paged.QUERY_DTYPES)
+    _checks.tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,))
+    num_tokens, num_heads, _ = q_nope.shape
+    if tuple(q_pe.shape[:2]) != (num_tokens, num_heads):
+        raise ValueError(f"q_pe: expected tokens and heads {(num_tokens, num_heads)} (as q_nope), "
+                         f"got shape {tuple(q_pe.shape)}")
+    _check_cache(kv_cache, q_nope.dtype, q_nope.shape[2] + q_pe.shape[2], "Lr + R of q_nope and q_pe")
+    _checks.tensor("cu_q_lens", cu_q_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("kv_lens", kv_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("block_table", block_table, ndim=2, dtypes=(paged.INDEX_DTYPE,))
+    num_seqs = kv_lens.shape[0]
+    _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], num_seqs + 1, "sequences S of kv_lens, plus one")
+    _checks.size("block_table", 0, block_table.shape[0], num_seqs, "sequences S of kv_lens")
+    paged.check_scalars(sm_scale)
+    if topk_indices is not None:
+        _checks.tensor("topk_indices", topk_indices, ndim=2, dtypes=(paged.INDEX_DTYPE,))
+        _checks.size("topk_indices", 0, topk_indices.shape[0], num_tokens, "tokens T of q_nope")
+        if topk_indices.shape[1] == 0:
+            raise ValueError("topk_indices: expected at least one index per token, got shape "
+                             f"{tuple(topk_indices.shape)}")
+    _check_scale("kv_scale", kv_scale)
+    _checks.same_device(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table,
+                        **{name: t for name, t in (("topk_indices", topk_indices), ("kv_scale", kv_scale))
+                           if t is not None})
+
+
+def check_topk(topk_indices, cu_q_lens, kv_lens) -> None:
+    """Each index is -1 (none) or a position of its token's sequence, in ``[0, kv_len)``."""
+    num_tokens = topk_indices.shape[0]
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens, output_size=num_tokens)
+    limit = kv_lens.long()[seq][:, None]
+    bad = (topk_indices < -1) | (topk_indices >= limit)
+    if bool(bad.any()):
+        token, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"topk_indices: expected -1 or a position in [0, kv_len) of the token's sequence, got "
+                         f"{int(topk_indices[token, column])} at [{token}, {column}] (kv_len {int(limit[token, 0])})")
+
+
+def _scale(scale, device) -> torch.Tensor:
+    """The kernels' form of a scale: float32 ``[1]`` (one for None)."""
+    return torch.ones(1, device=device) if scale is None else scale.reshape(1).contiguous()
+
+
+def _check_scale_values(**scales) -> None:
+    paged.raise_first([(bool(bad), message) for bad, message in paged.scale_checks(**scales)])
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return "cpu" if t.is_cpu else t.device.type
+
+
+def _write_kernel(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
+    check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
+    paged.check_slots(slot_mapping, kv_cache)
+    _check_scale_values(scale=scale)
+    backends.dispatch(WRITE_OP, _device_type(kv_c), implementation, kv_c.contiguous(), k_pe.contiguous(), kv_cache,
+                      slot_mapping.to(torch.int64).contiguous(), _scale(scale, kv_c.device))
+
+
+def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
+    check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+mla_reshape_and_cache_op = define(
+    "mla_reshape_and_cache(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "Tensor? scale=None, str? implementation=None) -> ()",
+    _write_kernel,
+    _write_fake,
+)
+
+
+def _attention_kernel(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
+                      kv_scale=None, implementation=None):
+    check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, kv_scale)
+    paged.check_lengths(q_nope, kv_cache, cu_q_lens, kv_lens, block_table)
+    _check_scale_values(kv_scale=kv_scale)
+    if topk_indices is not None:
+        check_topk(topk_indices, cu_q_lens, kv_lens)
+        topk_indices = topk_indices.contiguous()
+    return backends.dispatch(OP, _device_type(q_nope), implementation, q_nope.contiguous(), q_pe.contiguous(),
+                             kv_cache, cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(),
+                             float(sm_scale), topk_indices, _scale(kv_scale, q_nope.device))
+
+
+def _attention_fake(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
+                    kv_scale=None, implementation=None):
+    check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, kv_scale)
+    return (torch.empty_like(q_nope, memory_format=torch.contiguous_format),
+            q_nope.new_empty(q_nope.shape[:2], dtype=torch.float32))
+
+
+ragged_paged_mla_op = define(
+    "ragged_paged_mla(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor cu_q_lens, Tensor kv_lens, "
+    "Tensor block_table, float sm_scale, Tensor? topk_indices=None, Tensor? kv_scale=None, "
+    "str? implementation=None) -> (Tensor, Tensor)",
+    _attention_kernel,
+    _attention_fake,
+)
+
+
+def check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k) -> None:
+    """Shapes, dtypes, devices and scalars of an ``indexer_topk`` call (no data read)."""
+    _checks.tensor("q", q, ndim=3, dtypes=paged.QUERY_DTYPES)
+    _checks.tensor("k_cache", k_cache, ndim=3, dtypes=(q.dtype,))
+    _checks.size("k_cache", 2, k_cache.shape[2], q.shape[2], "head size Di of q")
+    if min(k_cache.shape) == 0 or (k_cache.stride(-1) != 1 and k_cache.shape[-1] > 1):
+        raise ValueError(f"k_cache: expected no empty dimension and a stride-1 last dimension, got shape "
+                         f"{tuple(k_cache.shape)} and strides {k_cache.stride()}")
+    _checks.tensor("weights", weights, ndim=2, dtypes=tuple(dict.fromkeys((q.dtype, torch.float32))))
+    if tuple(weights.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"weights: expected shape {tuple(q.shape[:2])} (tokens and heads of q), got {tuple(weights.shape)}")
+    _checks.tensor("cu_q_lens", cu_q_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("kv_lens", kv_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
+    _checks.tensor("block_table", block_table, ndim=2, dtypes=(paged.INDEX_DTYPE,))
+    _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], kv_lens.shape[0] + 1, "sequences S of kv_lens, plus one")
+    _checks.size("block_table", 0, block_table.shape[0], kv_lens.shape[0], "sequences S of kv_lens")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    if top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k}")
+    _checks.same_device(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table)
+
+
+def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
+    check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
+    paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table)
+    return backends.dispatch(INDEXER_OP, _device_type(q), implementation, q.contiguous(), k_cache, weights.contiguous(),
+                             cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), top_k)
+
+
+def _indexer_fake(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
+    check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
+    return q.new_empty((q.shape[0], top_k), dtype=torch.int32)
+
+
+indexer_topk_op = define(
+    "indexer_topk(Tensor q, Tensor k_cache, Tensor weights, Tensor cu_q_lens, Tensor kv_lens, Tensor block_table, "
+    "int top_k, str? implementation=None) -> Tensor",
+    _indexer_kernel,
+    _indexer_fake,
+)
+
+
+def attended_pairs(q_lens: Sequence[int], kv_lens: Sequence[int], top_k: int | None = None) -> int:
+    """How many (query, position) pairs a batch attends over at most (causal; at most ``top_k``
+    per query when sparse)."""
+    total = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        seen = range(kv_len - q_len + 1, kv_len + 1)  # query i sees kv_len - q_len + i + 1 positions
+        total += sum(n if top_k is None else min(n, top_k) for n in seen)
+    return total
+
+
+def mla_bytes(num_heads: int, latent: int, rope: int, q_lens, kv_lens, query_itemsize: int,
+              cache_itemsize: int) -> int:
+    """What a dense call must move at least: each sequence's latent rows once, queries in, output
+    out (the log-sum-exp and page tables, a few bytes per row, are left out)."""
+    tokens = sum(q_lens)
+    return (sum(kv_lens) * (latent + rope) * cache_itemsize
+            + tokens * num_heads * (2 * latent + rope) * query_itemsize)
+
+
+def _lengths(a) -> tuple[list[int], list[int]]:
+    cu = a.cu_q_lens.tolist()
+    return [e - s for s, e in zip(cu[:-1], cu[1:])], a.kv_lens.tolist()
+
+
+def _attention_flops(a, out) -> int:
+    """Logits over Lr + R and the weighted latents over Lr: 2 * H * (2 Lr + R) per attended pair."""
+    top_k = None if a.topk_indices is None else a.topk_indices.shape[1]
+    _, heads, latent = a.q_nope.shape
+    return 2 * heads * (2 * latent + a.q_pe.shape[2]) * attended_pairs(*_lengths(a), top_k)
+
+
+def _attention_bytes(a, out) -> int:
+    _, heads, latent = a.q_nope.shape
+    return (mla_bytes(heads, latent, a.q_pe.shape[2], *_lengths(a), a.q_nope.element_size(),
+                      a.kv_cache.element_size()) + tensor_bytes(a.topk_indices, a.kv_scale))
+
+
+def _write_bytes(a, out) -> int:
+    """The real (slot >= 0) rows read and written, the slots read."""
+    rows = int((a.slot_mapping >= 0).sum())
+    width = a.kv_cache.shape[2]
+    return rows * width * (a.kv_c.element_size() + a.kv_cache.element_size()) + tensor_bytes(a.slot_mapping, a.scale)
+
+
+register_cost(ragged_paged_mla_op, flops=_attention_flops, bytes=_attention_bytes)
+register_cost(mla_reshape_and_cache_op, flops=lambda a, out: 0, bytes=_write_bytes)  # a copy
+register_cost(indexer_topk_op,  # the scores: 2 * Hi * Di per visible pair, plus the weighting
+              flops=lambda a, out: (2 * a.q.shape[2] + 2) * a.q.shape[1] * attended_pairs(*_lengths(a)),
+              bytes=lambda a, out: (sum(_lengths(a)[1]) * a.k_cache.shape[2] * a.k_cache.element_size()
+                                    + tensor_bytes(a.q, a.weights, out)))
+
+
+def mla_reshape_and_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> None:
+    """Write new tokens' latents and RoPE keys into a paged latent cache, in place.
+
+    Token ``t``'s row ``cat(kv_c[t], k_pe[t])`` goes to slot ``slot_mapping[t]`` =
+    ``block * block_size + offset``, i.e. ``kv_cache[block, offset]``; slot ``-1`` marks padding
+    and is skipped. No other cache entry changes.
+
+    Args:
+        kv_c: ``[T, Lr]``, the compressed key-value latents; float16, bfloat16 or float32.
+        k_pe: ``[T, R]`` of kv_c's dtype, the RoPE keys (shared by every head).
+        kv_cache: ``[num_blocks, block_size, Lr + R]`` of kv_c's dtype or quantized (``int8``,
+            ``float8_e4m3fn``, ``float8_e5m2``); any strides whose last is 1 and that keep entries
+            apart (``torch_kernels.ops.paged_attention.is_cache_layout``).
+        slot_mapping: int64 (or int32) ``[T]``; -1 or a slot, each slot at most once.
+        scale: optional float32 ``[]`` or ``[1]``, finite and > 0: the cache stores
+            ``value / scale`` rounded to its dtype, as ``reshape_and_cache`` does (NaN kept, as 0 in
+            int8; fp8 and int8 saturate). ``None`` means 1.
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+    """
+    paged.check_tensors(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, scale=scale)
+    mla_reshape_and_cache_op(kv_c, k_pe, kv_cache, slot_mapping, scale, backends.implementation_arg(implementation))
+
+
+def ragged_paged_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sm_scale: float,
+    topk_indices: torch.Tensor | None = None,
+    return_lse: bool = False,
+    kv_scale: torch.Tensor | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal multi-head latent attention for a ragged batch over a paged latent cache.
+
+    The logit of query ``t``, head ``h`` and position ``s`` is
+    ``(q_nope[t, h] . c[s] + q_pe[t, h] . k_pe[s]) * sm_scale``, where the cache row of ``s`` is
+    ``cat(c[s], k_pe[s])``, and the output is the softmax-weighted sum of the latents ``c[s]``.
+    With DeepSeek-V3's up-projections ``W_UK``, ``W_UV`` absorbed (``q_nope = q @ W_UK^T`` per
+    head before, ``out @ W_UV`` after) this is its attention. Sequences and pages are described as
+    for ``ragged_paged_attention``: sequence ``s`` owns query rows ``cu_q_lens[s]:cu_q_lens[s+1]``,
+    its last positions of ``kv_lens[s]``, so one batch mixes decodes, prefill chunks and prompts;
+    query ``i`` of a sequence with ``q_len`` queries sees positions ``<= kv_len - q_len + i``.
+
+    Args:
+        q_nope: ``[T, H, Lr]``, float16, bfloat16 or float32 (absorbed queries).
+        q_pe: ``[T, H, R]`` of q_nope's dtype (RoPE queries).
+        kv_cache: ``[num_blocks, block_size, Lr + R]`` of q_nope's dtype or quantized (``int8``,
+            ``float8_e4m3fn``, ``float8_e5m2``; see ``kv_scale``), as ``mla_reshape_and_cache`` writes it.
+        cu_q_lens: int32 ``[S+1]``; kv_lens: int32 ``[S]``; block_table: int32 ``[S, max_blocks]``.
+        sm_scale: multiplies the logits (DeepSeek-V3: ``(dn + R) ** -0.5`` of the uncompressed heads).
+        topk_indices: optional int32 ``[T, k]`` (DeepSeek-V3.2's sparse attention): each query attends
+            only to the positions of its sequence it lists, still causally; -1 lists nothing and a
+            position listed twice counts once. A query left with no position gets zeros (lse -inf).
+        return_lse: also return the log-sum-exp of each query's scaled logits, float32 ``[T, H]``.
+        kv_scale: optional float32 ``[]`` or ``[1]``, finite and > 0: a cache entry means ``entry * kv_scale``.
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+
+    Returns:
+        ``[T, H, Lr]`` in q_nope's dtype (and ``lse`` with ``return_lse``). Softmax and sums are float32.
+
+    NaN and inf: rows outside a sequence's first ``kv_len`` positions are never read; a NaN or inf
+    inside them may reach every query of its sequence. Inference only: no backward.
+    """
+    paged.check_tensors(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table, topk_indices=topk_indices, kv_scale=kv_scale)
+    paged.check_scalars(sm_scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
+    out, lse = ragged_paged_mla_op(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, float(sm_scale),
+                                   topk_indices, kv_scale, backends.implementation_arg(implementation))
+    return (out, lse) if return_lse else out
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    weights: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    top_k: int,
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer fused with its top-k: which positions each query's sparse
+    attention reads (``topk_indices`` of :func:`ragged_paged_mla`).
+
+    The score of query ``t`` for position ``s`` of its sequence is
+    ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32, over the positions it sees causally
+    (as :func:`ragged_paged_mla` defines them). Each row lists the ``top_k`` best, highest score
+    first, equal scores lower position first (deterministic on every backend), then -1 where the
+    query sees fewer than ``top_k`` positions. NaN scores rank as -inf.
+
+    Args:
+        q: ``[T, Hi, Di]``, float16, bfloat16 or float32 (the indexer's queries).
+        k_cache: ``[num_blocks, block_size, Di]`` of q's dtype, the indexer's keys in pages addressed as
+            the latent cache is (one row per token; a stride-1 last dimension).
+        weights: ``[T, Hi]``, q's dtype or float32 (the per-head weights, softmax scale folded in).
+        cu_q_lens, kv_lens, block_table: the batch, as for :func:`ragged_paged_mla`.
+        top_k: how many positions per query (2048 in DeepSeek-V3.2).
+        implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+
+    Returns:
+        int32 ``[T, top_k]``. Inference only.
+    """
+    paged.check_tensors(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                        block_table=block_table)
+    if not isinstance(top_k, int) or isinstance(top_k, bool):  # before the dispatcher parses it less clearly
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    return indexer_topk_op(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k,
+                           backends.implementation_arg(implementation))
+
+
+# ---- self-test cases ----
+
+def mla_inputs(gen, dtype, device, q_lens=(1, 5, 1, 9), contexts=(30, 0, 45, 7), heads=4, latent=32, rope=16,
+               block_size=16):
+    """A ragged batch (decodes, a fresh prompt, a prefill chunk) over shuffled pages of a latent cache."""
+    query, cache, _, cu_q_lens, kv_lens, block_table, _ = paged.paged_attention_inputs(
+        gen, dtype, device, q_lens, contexts, heads=(heads, 1), head_size=latent + rope, block_size=block_size)
+    return (query[..., :latent].contiguous(), query[..., latent:].contiguous(), cache[:, :, 0], cu_q_lens,
+            kv_lens, block_table, (latent + rope) ** -0.5)
+
+
+def mla_write_inputs(gen, dtype, device, tokens=23, latent=32, rope=16, block_size=16, num_blocks=5):
+    """New latents and RoPE keys, a random cache, distinct slots (one of them -1, padding)."""
+    kv_c = torch.randn(tokens, latent, generator=gen)
+    k_pe = torch.randn(tokens, rope, generator=gen)
+    cache = torch.randn(num_blocks, block_size, latent + rope, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[tokens // 2] = -1
+    return kv_c.to(device, dtype), k_pe.to(device, dtype), cache.to(device, dtype), slots.to(device)
+
+
+def indexer_inputs(gen, dtype, device, q_lens=(1, 5, 1, 9), contexts=(30, 0, 45, 7), heads=4, head_size=32,
+                   block_size=16, top_k=12):
+    """A ragged batch of indexer queries, a paged key cache, positive per-head weights, ``top_k``."""
+    q, k_cache, _, cu_q_lens, kv_lens, block_table, _ = paged.paged_attention_inputs(
+        gen, dtype, device, q_lens, contexts, heads=(heads, 1), head_size=head_size, block_size=block_size)
+    weights = torch.rand(q.shape[0], heads, generator=gen).to(device)
+    return q, k_cache[:, :, 0], weights, cu_q_lens, kv_lens, block_table, top_k
+
+
+def _indexer_definition(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k):
+    """A loop over queries and positions in float64: scores, then best first, lower position first."""
+    out = torch.full((q.shape[0], top_k), -1, dtype=torch.int32)
+    block_size = k_cache.shape[1]
+    for s in range(len(kv_lens)):
+        start, end, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        for t in range(start, end):
+            scored = []
+            for pos in range(kv_len - (end - start) + (t - start) + 1):
+                key = k_cache[int(block_table[s, pos // block_size]), pos % block_size].double()
+                score = sum(float(weights[t, h]) * max(float(q[t, h].double() @ key), 0.0) for h in range(q.shape[1]))
+                scored.append((-score, pos))
+            for column, (_, pos) in enumerate(sorted(scored)[:top_k]):
+                out[t, column] = pos
+    return out.float()
+
+
+def _indexer_run(*inputs, implementation=None):
+    return indexer_topk(*inputs, implementation=implementation).float()
+
+
+def _attention_definition(*inputs):
+    return reference.ragged_paged_mla(*inputs, None, torch.ones(1, device=inputs[0].device))[0].float()
+
+
+def _written(kv_c, k_pe, kv_cache, slot_mapping, implementation=None):
+    cache = kv_cache.clone()
+    mla_reshape_and_cache(kv_c, k_pe, cache, slot_mapping, implementation=implementation)
+    return cache
+
+
+def _write_definition(kv_c, k_pe, kv_cache, slot_mapping):
+    cache = kv_cache.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            cache[slot // cache.shape[1], slot % cache.shape[1]] = torch.cat([kv_c[t], k_pe[t]])
+    return cache
+
+
+def selftest_cases() -> list[Case]:
+    """The doctor's checks: attention against the reference, the write against a loop over slots,
+    the indexer against a loop over queries and positions (equal indices: error 0)."""
+    return [Case(OP, mla_inputs, ragged_paged_mla, _attention_definition),
+            Case(WRITE_OP, mla_write_inputs, _written, _write_definition),
+            Case(INDEXER_OP, indexer_inputs, _indexer_run, _indexer_definition)]

@@ -1,0 +1,49 @@
+"""The pallas backend of the mla family on CPU torch tensors: the latent-cache write.
+
+A latent cache ``[num_blocks, block_size, Lr + R]`` is a paged cache with one kv head of size
+``Lr + R``, so the write is the paged attention family's Pallas write with the row
+``cat(kv_c, k_pe)`` as that head's key and value, both caches the one latent cache (the same
+row lands in the same slot twice; no other entry changes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_attention import pallas_reshape_and_cache
+
+
+def pallas_mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+    """Contract: ``torch_kernels.reference.mla.mla_reshape_and_cache``."""
+    rows = torch.cat([kv_c, k_pe], dim=-1)[:, None]
+    cache = kv_cache[:, :, None]
+    pallas_reshape_and_cache(rows, rows, cache, cache, slot_mapping, scale, scale)
+
+
+def torchax_implementations() -> dict:
+    """mla_reshape_and_cache on torchax tensors, by op name: the paged write on the latent cache
+    as one kv head; the cache's torchax tensor is pointed at the updated array (JAX arrays are
+    immutable; a torchax tensor keeps its array in ``_elem``)."""
+    import jax.numpy as jnp
+    from torchax.interop import jax_view
+
+    from jax_impl import paged_attention as kernels
+
+    from ..ops import mla as op
+    from ..ops import paged_attention as paged
+    from .torchax_tensors import first_backend
+
+    writes = {"pallas": kernels.reshape_and_cache, "reference": kernels.reshape_and_cache_reference}
+
+    def mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
+        op.check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
+        paged.check_slots(slot_mapping, kv_cache)
+        paged.raise_first([(bool(bad), message) for bad, message in paged.scale_checks(scale=scale)])
+        write = first_backend(implementation, writes)
+        c, pe, cache, slots, scale = jax_view((kv_c, k_pe, kv_cache, slot_mapping, scale))
+        rows = jnp.concatenate([c, pe], axis=-1)[:, None]
+        scale = None if scale is None else scale.reshape(1)
+        new, _ = write(rows, rows, cache[:, :, None], cache[:, :, None], slots, scale, scale)
+        kv_cache._elem = new[:, :, 0]
+
+    return {"mla_reshape_and_cache": mla_reshape_and_cache}
