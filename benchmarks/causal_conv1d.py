@@ -18,7 +18,6 @@ relative to its largest value, against the fallback in float32. Writes
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
@@ -26,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import (MET, MISSED, NOT_MEASURED, cuda_missing, family_parser, goal_result,  # noqa: E402
-                    machine_line, markdown_table, seconds_per_call)
+from common import (cuda_missing, family_parser, machine_line, markdown_table, seconds_per_call,  # noqa: E402
+                    worst_speedup_goal, write_results)
 
 import torch_kernels  # noqa: E402
 
@@ -184,26 +183,8 @@ def gpu_goals(data: dict) -> list:
                for r in rows if r["path"] == "ours" and r["kind"] == "prefill" and r["length"] >= 4 * K]
     decode = [(_fallback_of(rows, r, "step_s") / r["step_s"], f"{r['model']} batch {r['batch']}")
               for r in rows if r["path"] == "ours" and r["kind"] == "decode"]
-    found = []
-    for speedups, empty in ((prefill, "no prefill at T >= 4k in this run"), (decode, "no decode step in this run")):
-        if not speedups:
-            found.append(goal_result(None, NOT_MEASURED, empty))
-            continue
-        worst = min(s for s, _ in speedups)
-        found.append(goal_result(f"{worst:.2f}x (worst)", MET if worst > 1 else MISSED,
-                                 "; ".join(f"{what}: {s:.2f}x" for s, what in speedups)))
-    return found
-
-
-def write(out_dir: pathlib.Path, stem: str, text: str, data: dict) -> None:
-    """``<stem>.md``, ``.json`` and ``.png`` in ``out_dir`` (the plot only where matplotlib imports)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.md").write_text(text)
-    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    try:
-        plot(data["rows"], out_dir / f"{stem}.png")
-    except ImportError as e:  # matplotlib is in the [bench] extra: the tables still stand
-        print(f"plot: {e}", file=sys.stderr)
+    return [worst_speedup_goal(prefill, "no prefill at T >= 4k in this run"),
+            worst_speedup_goal(decode, "no decode step in this run")]
 
 
 def main(argv=None) -> int:
@@ -231,8 +212,8 @@ def main(argv=None) -> int:
             "faster); errors against the fallback in float32.\n\n" + tables(rows) + "\n")
     print(text)
     preset = "-gpu" if args.gpu else "-quick" if args.quick else ""
-    write(args.out, f"causal_conv1d{preset}", text,
-          {"machine": machine_line(), "device": args.device, "dtype": str(dtype), "rows": rows})
+    write_results(args.out, f"causal_conv1d{preset}", text,
+                  {"machine": machine_line(), "device": args.device, "dtype": str(dtype), "rows": rows}, plot)
     return 0
 
 

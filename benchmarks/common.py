@@ -409,6 +409,28 @@ def all_met(values, threshold) -> str:
     return MET if all(v >= threshold for v in values) else MISSED
 
 
+def worst_speedup_goal(speedups: list[tuple[float, str]], empty: str) -> dict:
+    """A "faster everywhere" goal from ``[(speedup over the baseline, what), ...]``: met when the worst
+    exceeds 1; ``empty`` says why nothing was measured."""
+    if not speedups:
+        return goal_result(None, NOT_MEASURED, empty)
+    worst = min(s for s, _ in speedups)
+    return goal_result(f"{worst:.2f}x (worst)", MET if worst > 1 else MISSED,
+                       "; ".join(f"{what}: {s:.2f}x" for s, what in speedups))
+
+
+def write_results(out_dir: pathlib.Path, stem: str, text: str, data: dict, plot) -> None:
+    """``<stem>.md`` (``text``), ``.json`` (``data``) and ``.png`` (``plot(data["rows"], path)``) in
+    ``out_dir``; the plot only where matplotlib imports (the [bench] extra): the tables still stand."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(text)
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    try:
+        plot(data["rows"], out_dir / f"{stem}.png")
+    except ImportError as e:
+        print(f"plot: {e}", file=sys.stderr)
+
+
 if __name__ == "__main__":  # benchmarks/gpu.sh: its family steps, a line each, fields tab-separated
     cli = argparse.ArgumentParser(description="benchmarks/gpu.sh's family steps, a line each, fields tab-separated")
     cli.add_argument("command", choices=("gpu-steps",))

@@ -18,15 +18,14 @@ Writes ``mamba2{-quick,-gpu,}.{md,json,png}`` to ``--out`` (default ``benchmarks
 from __future__ import annotations
 
 import importlib.util
-import json
 import pathlib
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import (MET, MISSED, NOT_MEASURED, cuda_missing, family_parser, goal_result,  # noqa: E402
-                    machine_line, markdown_table, seconds_per_call)
+from common import (cuda_missing, family_parser, machine_line, markdown_table, seconds_per_call,  # noqa: E402
+                    worst_speedup_goal, write_results)
 
 import torch_kernels  # noqa: E402
 
@@ -199,15 +198,7 @@ def gpu_goals(data: dict) -> list:
           for r in ours if r["kind"] == "scan" and r["length"] >= 4 * K], "no scan at T >= 4k in this run"),
         ([(_theirs(rows, r, "step_s") / r["step_s"], f"batch {r['batch']}") for r in ours if r["kind"] == "decode"],
          "no decode step in this run"))
-    found = []
-    for speedups, empty in measured:
-        if not speedups:
-            found.append(goal_result(None, NOT_MEASURED, empty))
-            continue
-        worst = min(s for s, _ in speedups)
-        found.append(goal_result(f"{worst:.2f}x (worst)", MET if worst > 1 else MISSED,
-                                 "; ".join(f"{what}: {s:.2f}x" for s, what in speedups)))
-    return found
+    return [worst_speedup_goal(speedups, empty) for speedups, empty in measured]
 
 
 def main(argv=None) -> int:
@@ -231,13 +222,7 @@ def main(argv=None) -> int:
     print(text)
     stem = f"mamba2{'-gpu' if args.gpu else '-quick' if args.quick else ''}"
     data = {"machine": machine_line(), "device": args.device, "dtype": str(dtype), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    try:
-        plot(rows, args.out / f"{stem}.png")
-    except ImportError as e:  # matplotlib is in the [bench] extra: the tables still stand
-        print(f"plot: {e}", file=sys.stderr)
+    write_results(args.out, stem, text, data, plot)
     return 0
 
 

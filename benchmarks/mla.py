@@ -18,15 +18,14 @@ the float32 uncompressed attention. Writes ``mla{-quick,-gpu,}.{md,json,png}`` t
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import (MET, MISSED, NOT_MEASURED, cuda_missing, family_parser, goal_result,  # noqa: E402
-                    machine_line, markdown_table, seconds_per_call)
+from common import (cuda_missing, family_parser, machine_line, markdown_table, seconds_per_call,  # noqa: E402
+                    worst_speedup_goal, write_results)
 
 import torch_kernels  # noqa: E402
 
@@ -170,22 +169,7 @@ def gpu_goals(data: dict) -> list:
     path's, worst over the contexts."""
     rows = data["rows"]
     speedups = [(_other(rows, r, "step_s") / r["step_s"], f"context {r['context']}") for r in rows if r["path"] == "mla"]
-    if not speedups:
-        return [goal_result(None, NOT_MEASURED, "no decode step in this run")]
-    worst = min(s for s, _ in speedups)
-    return [goal_result(f"{worst:.2f}x (worst)", MET if worst > 1 else MISSED,
-                        "; ".join(f"{what}: {s:.2f}x" for s, what in speedups))]
-
-
-def write(out_dir: pathlib.Path, stem: str, text: str, data: dict) -> None:
-    """``<stem>.md``, ``.json`` and ``.png`` in ``out_dir`` (the plot only where matplotlib imports)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.md").write_text(text)
-    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    try:
-        plot(data["rows"], out_dir / f"{stem}.png")
-    except ImportError as e:  # matplotlib is in the [bench] extra: the tables still stand
-        print(f"plot: {e}", file=sys.stderr)
+    return [worst_speedup_goal(speedups, "no decode step in this run")]
 
 
 def main(argv=None) -> int:
@@ -211,8 +195,8 @@ def main(argv=None) -> int:
             "better); errors after W_UV against the float32 uncompressed attention.\n\n" + tables(rows) + "\n")
     print(text)
     preset = "-gpu" if args.gpu else "-quick" if args.quick else ""
-    write(args.out, f"mla{preset}", text, {"machine": machine_line(), "device": args.device, "dtype": str(dtype),
-                                           "rows": rows})
+    write_results(args.out, f"mla{preset}", text,
+                  {"machine": machine_line(), "device": args.device, "dtype": str(dtype), "rows": rows}, plot)
     return 0
 
 
