@@ -329,6 +329,25 @@ def test_quantized_attention_on_request_and_undone():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_undo_restores_each_sub_configs_attention():
+    """A model whose sub-models run different attention implementations gets each back on undo."""
+    import transformers
+
+    text = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, vocab_size=64)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+    model = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=5))
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
+    configs = (model.config, model.config.text_config, model.config.vision_config)
+    before = [c._attn_implementation for c in configs]
+    with kernelize(model, quantized_attention=True, experts=False) as report:
+        assert "attention" in report.replaced
+        assert model.config.text_config._attn_implementation == integration.QUANTIZED_ATTENTION
+    assert [c._attn_implementation for c in configs] == before == ["sdpa", "sdpa", "eager"]
+
+
 def test_declarations_are_public_wrappers_and_unique():
     """Each family's TRANSFORMERS_HUB_FUNCTIONS maps to wrappers it exports; a name declared twice
     is refused."""

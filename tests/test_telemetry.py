@@ -90,6 +90,23 @@ def test_memory_and_time_are_bounded(inputs):
         torch_kernels.profile.snapshot()
 
 
+def test_a_small_index_view_does_not_keep_its_buffer_alive():
+    """A record keeps small integer tensors (cost formulas read them); a few rows sliced from a large
+    buffer are copied, or the ring would hold every step's buffer."""
+    import gc
+    import weakref
+
+    with torch_kernels.profile.continuous() as telemetry:
+        buffer = torch.tensor([3, 1] + [0] * 99_998, dtype=torch.int32)
+        alive = weakref.ref(buffer)
+        torch_kernels.causal_conv1d_update(torch.randn(2, 8), torch.randn(2, 8, 5), torch.randn(8, 4),
+                                           cache_seqlens=buffer[:2])
+        del buffer
+        gc.collect()
+        assert alive() is None
+        assert [e["op"] for e in telemetry.events()] == ["causal_conv1d_update"]
+
+
 def test_a_profile_block_inside_feeds_it_and_nests_cleanly(inputs):
     x, means, whitener = inputs
     before = dispatch_dumps()

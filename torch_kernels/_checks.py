@@ -28,3 +28,20 @@ def same_device(**tensors: torch.Tensor) -> None:
 def size(name: str, dim: int, got: int, expected: int, what: str) -> None:
     if got != expected:
         raise ValueError(f"{name}: expected size {expected} in dimension {dim} ({what}), got {got}")
+
+
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def int32_values(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    """``value`` (ids, lengths, rows) as a contiguous int32 tensor for a kernel. An int64 value
+    outside int32's range is a ``ValueError`` naming ``name``: the cast would wrap it into another,
+    valid-looking value (a padding row into row 0). Reads the values back only for int64 input."""
+    if value is None:
+        return None
+    if value.dtype == torch.int64 and value.numel():
+        low, high = torch.aminmax(value)
+        if low.item() < INT32_MIN or high.item() > INT32_MAX:
+            raise ValueError(f"{name}: expected values in int32's range [{INT32_MIN}, {INT32_MAX}], "
+                             f"got {low.item()} .. {high.item()}")
+    return value.to(torch.int32).contiguous()

@@ -386,13 +386,13 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
             t = f"a[{i}]"
             if kind in ("tensor", "optional"):
                 index = isinstance(args[i], _Tensor) and not (args[i].is_floating_point() or args[i].is_complex())
-                field = f"({t} if {t}.numel() <= {INDEX_NUMEL} else ({t}.shape, {t}.dtype))" if index \
+                field = f"(_kept_index({t}) if {t}.numel() <= {INDEX_NUMEL} else ({t}.shape, {t}.dtype))" if index \
                     else f"({t}.shape, {t}.dtype)"
                 fields.append(f"(None if {t} is None else {field})" if kind == "optional" else field)
             else:
                 fields.append(f"_metadata({t})" if kind == "list" else t)
         return eval(f"lambda a: ({', '.join(fields)}{',' if len(fields) == 1 else ''})",  # noqa: S307 - our own text
-                    {"_metadata": _metadata})
+                    {"_metadata": _metadata, "_kept_index": _kept_index})
 
     def describe(args: tuple) -> tuple:
         try:
@@ -406,10 +406,16 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
     return describe
 
 
+def _kept_index(t: torch.Tensor) -> torch.Tensor:
+    """A small integer tensor as the record keeps it: a copy where it views a larger storage, which
+    the view would keep alive (a few offsets sliced from a large buffer)."""
+    return t if t.untyped_storage().nbytes() <= INDEX_NUMEL * 8 else t.clone()
+
+
 def _metadata(value):
     if isinstance(value, _Tensor):
         if not (value.is_floating_point() or value.is_complex()) and value.numel() <= INDEX_NUMEL:
-            return value
+            return _kept_index(value)
         return value.shape, value.dtype
     if isinstance(value, (list, tuple)):  # kept as a tuple: the caller may change its list later
         return tuple(_metadata(v) for v in value)
@@ -596,8 +602,10 @@ class Telemetry:
         Calls whose device work has not finished yet are left out (a later snapshot has them)."""
         window = self.seconds if seconds is None else seconds
         cutoff = time.perf_counter() - window
-        while self._ring and self._ring[0][2] < time.perf_counter() - self.seconds:  # past the window for good
+        while True:  # drop the calls past the window for good; another thread may be dropping them too
             try:
+                if self._ring[0][2] >= time.perf_counter() - self.seconds:
+                    break
                 self._ring.popleft()
             except IndexError:
                 break

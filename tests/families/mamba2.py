@@ -128,6 +128,8 @@ UPDATE = [
     ("state_batch_indices repeated", "state_batch_indices", ValueError, set_at("state_batch_indices", 1, 3)),
     ("state_batch_indices length", "state_batch_indices", ValueError,
      set_arg("state_batch_indices", torch.tensor([3], dtype=torch.int32))),
+    ("state_batch_indices past int32", "state_batch_indices", ValueError,  # a cast would wrap it to row 0
+     set_arg("state_batch_indices", torch.tensor([-2 ** 32, 0]))),
     ("state_batch_indices float", "state_batch_indices", TypeError,
      map_arg("state_batch_indices", lambda t: t.float())),
     ("C on meta", "C", ValueError, map_arg("C", lambda t: t.to("meta"))),

@@ -140,9 +140,10 @@ def _packing(name: str, parameters: frozenset, args: tuple, kwargs: dict) -> dic
     if "cu_seqlens" in parameters and offsets is not None:
         return {**kwargs, "cu_seqlens": offsets}
     if "seq_idx" in parameters and offsets is not None:
-        if args[0].shape[0] != 1:
-            raise ValueError(f"cu_seq_lens_q: packed sequences need batch 1, got {name} input {tuple(args[0].shape)}")
-        return {**kwargs, "seq_idx": _seq_idx(offsets, args[0].shape[-1])}
+        x = args[0] if args else kwargs["x"]
+        if x.shape[0] != 1:
+            raise ValueError(f"cu_seq_lens_q: packed sequences need batch 1, got {name} input {tuple(x.shape)}")
+        return {**kwargs, "seq_idx": _seq_idx(offsets, x.shape[-1])}
     argument = sorted(given)[0]
     raise ValueError(f"{argument}: torch_kernels' {name} takes no packed sequences in this form")
 
@@ -280,6 +281,15 @@ def _replace_hub_functions(model: nn.Module, implementation: str | None, report:
                                    "which every model shares, would route it")
 
 
+def _implementations(config, attribute: str):
+    """``config``'s ``attribute`` (``_attn_implementation``, ``_experts_implementation``) and those of its
+    sub-configs, nested as transformers' setters take them back (``{"": own, sub-config key: ...}``)."""
+    subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", {})}
+    own = getattr(config, attribute)
+    subs = {key: sub for key, sub in subs.items() if sub is not None}
+    return {"": own, **{key: _implementations(sub, attribute) for key, sub in subs.items()}} if subs else own
+
+
 def _replace_experts(model: nn.Module, implementation: str | None, report: KernelizeReport) -> None:
     experts = [(path, m) for path, m in model.named_modules()
                if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]  # use_experts_implementation's
@@ -288,7 +298,7 @@ def _replace_experts(model: nn.Module, implementation: str | None, report: Kerne
     for path, module in experts:
         if not supports(module):
             report._skip("experts", f"{path}: {'; '.join(unsupported_reasons(module))} (runs transformers' grouped_mm)")
-    previous = model.config._experts_implementation
+    previous = _implementations(model.config, "_experts_implementation")
     try:
         model.set_experts_implementation(_experts_name(implementation))
     except (ValueError, RuntimeError) as e:  # e.g. experts fixed at load time
@@ -301,13 +311,17 @@ def _replace_experts(model: nn.Module, implementation: str | None, report: Kerne
 
 
 def _replace_attention(model: nn.Module, report: KernelizeReport) -> None:
-    previous = model.config._attn_implementation
+    previous = _implementations(model.config, "_attn_implementation")
     try:
         model.set_attn_implementation(QUANTIZED_ATTENTION)
     except (ValueError, ImportError) as e:
         report._skip("attention", f"transformers refuses {QUANTIZED_ATTENTION!r} for this model: {e}")
         return
     report._undo.append(functools.partial(model.set_attn_implementation, previous))
+    if model.config._attn_implementation != QUANTIZED_ATTENTION:  # transformers only warns for some models
+        report._skip("attention", f"{type(model).__name__} cannot set its attention implementation after loading "
+                                  f"(it does not use transformers' attention interface)")
+        return
     report._add("attention", "model")
 
 

@@ -228,7 +228,7 @@ def make_scorer(name: str, transform: str = "none", edm_steps: int | None = None
 
 
 def _dense(labels: torch.Tensor) -> torch.Tensor:
-    """Labels renumbered ``0..C-1`` in order of first value (the classes present only)."""
+    """Labels renumbered ``0..C-1`` in the order of their values (the classes present only)."""
     return torch.unique(labels, return_inverse=True)[1]
 
 

@@ -148,14 +148,10 @@ def _contiguous(t):
     return None if t is None else t.detach().contiguous()
 
 
-def _index(t):
-    return None if t is None else t.to(torch.int32).contiguous()
-
-
 def _forward_kernel(x, weight, bias=None, seq_idx=None, initial_states=None, activation=None, implementation=None):
     check_inputs(x, weight, bias, seq_idx, initial_states, activation)
     out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, x.detach(), _contiguous(weight),
-                            _contiguous(bias), _index(seq_idx), _contiguous(initial_states),
+                            _contiguous(bias), _checks.int32_values("seq_idx", seq_idx), _contiguous(initial_states),
                             check_activation(activation))
     return out.contiguous()
 
@@ -240,8 +236,9 @@ def _update_kernel(x, conv_state, weight, bias=None, activation=None, cache_seql
     check_update_values(conv_state, cache_seqlens, conv_state_indices)
     steps = x if x.dim() == 3 else x[..., None]
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, steps.contiguous(), conv_state,
-                            weight.contiguous(), _contiguous(bias), check_activation(activation), _index(cache_seqlens),
-                            _index(conv_state_indices))
+                            weight.contiguous(), _contiguous(bias), check_activation(activation),
+                            _checks.int32_values("cache_seqlens", cache_seqlens),
+                            _checks.int32_values("conv_state_indices", conv_state_indices))
     return out.reshape(x.shape)
 
 

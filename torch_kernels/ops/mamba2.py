@@ -212,7 +212,7 @@ def _update_kernel(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
                    implementation=None):
     check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     check_update_values(state, state_batch_indices)
-    rows = None if state_batch_indices is None else state_batch_indices.to(torch.int32).contiguous()
+    rows = _checks.int32_values("state_batch_indices", state_batch_indices)
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, state, x.contiguous(), dt, A,
                             B.contiguous(), C.contiguous(), D, _contiguous(z), dt_bias, bool(dt_softplus), rows)
     return out.contiguous()
