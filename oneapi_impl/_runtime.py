@@ -138,6 +138,24 @@ def usm_copy(tensor: torch.Tensor):
     return memory, view
 
 
+# the kernels' X_KIND macro: the floating-point dtypes they are built for
+FLOAT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def require_supported(*tensors) -> None:
+    """NotImplementedError (the dispatcher tries the next backend) for tensors off the CPU or of a
+    floating-point dtype the kernels are not built for; None entries are skipped."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            # Torch XPU tensors would be passed zero-copy through DLPack; that path is not built yet.
+            raise NotImplementedError(
+                f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {t.device}")
+        if t.is_floating_point() and t.dtype not in FLOAT_KINDS:
+            raise NotImplementedError(f"sycl: no kernel for {t.dtype} inputs (float32, float16, bfloat16 only)")
+
+
 def local_memory_bytes() -> int:
     return host_queue().sycl_device.local_mem_size
 

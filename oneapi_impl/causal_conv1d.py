@@ -16,20 +16,12 @@ import torch
 from . import _runtime
 
 SOURCE = "causal_conv1d.cl"
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def _supported(x: torch.Tensor) -> None:
-    if x.device.type != "cpu":
-        # Torch XPU tensors would be passed zero-copy through DLPack; that path is not built yet.
-        raise NotImplementedError(f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {x.device}")
-    if x.dtype not in _KINDS:
-        raise NotImplementedError(f"sycl: no kernel for {x.dtype} inputs (float32, float16, bfloat16 only)")
+_KINDS = _runtime.FLOAT_KINDS
 
 
 def _output(x: torch.Tensor):
     """(USM allocation, tensor view) for the output, x's shape and dtype, once x is one the kernels take."""
-    _supported(x)
+    _runtime.require_supported(x)
     return _runtime.usm_empty(tuple(x.shape), x.dtype)
 
 

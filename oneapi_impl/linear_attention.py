@@ -28,7 +28,7 @@ from . import _runtime
 
 SOURCE = "linear_attention.cl"
 CHUNK = 64  # rows per chunk, and work-items per chunk work-group (CHUNK and WG of the .cl)
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_KINDS = _runtime.FLOAT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +70,6 @@ def _macros(qk_dtype: torch.dtype, v_dtype: torch.dtype, delta: bool, layout: La
             per_channel: bool = False) -> dict[str, int]:
     return {"QK_KIND": _KINDS[qk_dtype], "V_KIND": _KINDS[v_dtype], "DELTA": int(delta),
             "K_MAX": layout.k_max, "VB": layout.v_block, "PER_CHANNEL": int(per_channel)}
-
-
-def _supported(*tensors) -> None:
-    for t in tensors:
-        if t is None:
-            continue
-        if t.device.type != "cpu":
-            # Torch XPU tensors would be passed zero-copy through DLPack; that path is not built yet.
-            raise NotImplementedError(
-                f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {t.device}")
-        if t.is_floating_point() and t.dtype not in _KINDS:
-            raise NotImplementedError(f"sycl: no kernel for {t.dtype} inputs (float32, float16, bfloat16 only)")
 
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -199,14 +187,14 @@ def _backward(name: str, do, dht, q, k, v, g, beta, scale, initial_state, cu_seq
 
 
 def _run_forward(name, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
-    _supported(q, k, v, g, beta, initial_state, cu_seqlens)
+    _runtime.require_supported(q, k, v, g, beta, initial_state, cu_seqlens)
     if use_qk_l2norm:
         q, k = _l2_normalize(q), _l2_normalize(k)
     return _forward(name, q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
 def _run_backward(name, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
-    _supported(do, dht, q, k, v, g, beta, initial_state, cu_seqlens)
+    _runtime.require_supported(do, dht, q, k, v, g, beta, initial_state, cu_seqlens)
     if not use_qk_l2norm:
         return _backward(name, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens)
     with torch.enable_grad():

@@ -17,15 +17,7 @@ import torch
 from . import _runtime
 
 SOURCE = "mamba2.cl"
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def _supported(x: torch.Tensor) -> None:
-    if x.device.type != "cpu":
-        # Torch XPU tensors would be passed zero-copy through DLPack; that path is not built yet.
-        raise NotImplementedError(f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {x.device}")
-    if x.dtype not in _KINDS:
-        raise NotImplementedError(f"sycl: no kernel for {x.dtype} inputs (float32, float16, bfloat16 only)")
+_KINDS = _runtime.FLOAT_KINDS
 
 
 def _usm(t: torch.Tensor | None, fill: torch.Tensor):
@@ -35,7 +27,7 @@ def _usm(t: torch.Tensor | None, fill: torch.Tensor):
 
 def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, softplus, rows):
     """The decode step (see the module docstring); writes the used rows of ``state``."""
-    _supported(x)
+    _runtime.require_supported(x)
     batch, heads, headdim = x.shape
     groups, dstate = B.shape[1:]
     out_mem, out = _runtime.usm_empty(tuple(x.shape), x.dtype)
