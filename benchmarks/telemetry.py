@@ -7,7 +7,8 @@ Times blocks of calls of probe ops (defined here: a kernel that returns its inpu
 argument) and of ``mahalanobis_score`` at a small shape, with the telemetry off, on (with and
 without ``shapes``), and inside a ``torch_kernels.profile`` block for comparison. The modes
 alternate within each round and the overhead is the fastest block of a mode less the fastest block
-off (load from other processes only adds time); the recording wrapper is also timed alone, around
+off, each block timed in this thread's CPU time (``time.thread_time``: other processes' load on a
+shared machine does not count, as it did on the wall clock); the recording wrapper is also timed alone, around
 a kernel that does nothing. Also checks that the ring holds at most ``max_events`` calls however
 many run. Writes ``telemetry{-quick,}.{md,json}`` to ``--out`` (default ``benchmarks/results``).
 """
@@ -56,15 +57,16 @@ def define_probes() -> dict[int, callable]:
 
 
 def per_call_seconds(call, n: int) -> float:
-    start = time.perf_counter()
+    """CPU seconds of this thread per call, over ``n`` calls."""
+    start = time.thread_time()
     for _ in range(n):
         call()
-    return (time.perf_counter() - start) / n
+    return (time.thread_time() - start) / n
 
 
 def measure(call, rounds: int, n: int) -> dict:
     """Per-call seconds off, with the telemetry on and in a profile block: the fastest block of each, and
-    the overheads as differences of those (load from other processes only adds time)."""
+    the overheads as differences of those."""
     samples: dict[str, list[float]] = {"off": [], "telemetry": [], "no_shapes": [], "profile": []}
     call()
     for _ in range(rounds):

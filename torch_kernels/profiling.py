@@ -175,19 +175,19 @@ class _Call:
     op: str
     device: torch.device
     timer: _Timer
-    backends: list[str] = dataclasses.field(default_factory=list)
+    backends: str = ""
     flops: int | None = None
     bytes: int | None = None
 
 
-# each thread's stack of op calls in progress (a kernel may call another op): each call's list of the
-# backends that ran for it, which backends.dispatch fills through _observe
+# each thread's stack of op calls in progress (a kernel may call another op): each call's backends
+# that ran for it ("a+b" where its kernel dispatched twice), which backends.dispatch fills through _observe
 _local = threading.local()
 _active_lock = threading.Lock()
 _active: profile | None = None
 
 
-def _open_calls() -> list[list[str]]:
+def _open_calls() -> list[str]:
     try:
         return _local.calls
     except AttributeError:
@@ -198,7 +198,11 @@ def _open_calls() -> list[list[str]]:
 def _observe(backend: str) -> None:
     stack = getattr(_local, "calls", None)
     if stack:
-        stack[-1].append(backend)
+        ran = stack[-1]
+        if not ran:
+            stack[-1] = backend
+        elif backend not in ran.split("+"):
+            stack[-1] = f"{ran}+{backend}"
 
 
 def _set_observer() -> None:
@@ -303,11 +307,11 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
             device = _device_of(args)
             call = _Call(name, device, _Timer(device))
             stack = _open_calls()
-            stack.append(call.backends)
+            stack.append("")
             try:
                 out = kernel(*args, **kwargs)
             finally:
-                stack.pop()
+                call.backends = stack.pop()
             call.timer.stop()
             if cost is not None:
                 arguments = _library.bind_arguments(op, args, kwargs)
@@ -326,7 +330,7 @@ class profile:  # noqa: N801 - used as ``with torch_kernels.profile():``, like t
         if self.calibrate:
             for device, name in names.items():
                 self.peaks.setdefault(name, calibrate_device(device))
-        return summarize(((call.op, "+".join(dict.fromkeys(call.backends)) or NO_KERNEL, names[call.device],
+        return summarize(((call.op, call.backends or NO_KERNEL, names[call.device],
                            call.timer.seconds(), call.flops, call.bytes) for call in self._calls), self.peaks)
 
     def table(self) -> str:
@@ -354,16 +358,22 @@ _Tensor = torch.Tensor
 
 INDEX_NUMEL = 256  # integer tensors up to this size are kept, for formulas that read them (offsets, lengths)
 COST_MEMO = 4096  # distinct call signatures whose FLOPs and bytes a telemetry remembers
+SIGNATURE_MEMO = 1024  # distinct argument descriptions per op the hot path hands back as made before
 
 
-def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
-    """``describe(args)``: what the cost formulas need later, holding no tensor of data: each tensor
+def _describer(op: torch._ops.OpOverload) -> tuple[dict[int, Callable[[tuple], tuple]], Callable[[tuple], tuple]]:
+    """``(made, describe)``: ``describe(args)`` is what the cost formulas need later, holding no tensor of data: each tensor
     argument as ``(shape, dtype)``, other arguments as they are. Integer tensors of at most
     ``INDEX_NUMEL`` elements (offsets, sequence lengths, which formulas read) are kept themselves.
 
     The hot path of the telemetry: per op and number of arguments (the dispatcher leaves trailing
-    defaults out), a function generated from the schema and the first call's argument types, so a
-    call costs the attribute reads and nothing else.
+    defaults out), a function generated from the schema and the first call's argument types, kept in
+    ``made`` by number of arguments (the caller looks there first), so a call costs the attribute
+    reads and a dictionary lookup, which hands back the description of that
+    signature as made the first time, shapes as plain tuples: ``torch.Size`` is a container the garbage
+    collector tracks for good, and a ring of records holding one had every collection walk all of it
+    (about 0.3 us a call at 10,000 records); a record of shared plain tuples leaves its sight after one
+    collection, and the call allocates no other lasting container to bring the next one sooner.
     """
     kinds = []
     for argument in op._schema.arguments:
@@ -372,38 +382,47 @@ def _describer(op: torch._ops.OpOverload) -> Callable[[tuple], tuple]:
             kind = kind.getElementType()
         if isinstance(kind, torch.ListType):
             if "Tensor" in str(kind.getElementType()):
-                return lambda args: tuple(_metadata(a) for a in args)
+                return {}, lambda args: _plain(tuple(_metadata(a) for a in args))
             kinds.append("list")
         elif isinstance(kind, torch.TensorType):
             kinds.append("optional" if optional else "tensor")
         else:
             kinds.append("value")
     made: dict[int, Callable] = {}
+    known: dict[tuple, tuple] = {}
+
+    def remember(meta: tuple) -> tuple:
+        if len(known) >= SIGNATURE_MEMO:
+            known.clear()
+        kept = known[meta] = _plain(meta)
+        return kept
 
     def generated(args: tuple) -> Callable:
-        fields = []
+        fields, keeps_tensors = [], False
         for i, kind in enumerate(kinds[:len(args)]):
             t = f"a[{i}]"
             if kind in ("tensor", "optional"):
                 index = isinstance(args[i], _Tensor) and not (args[i].is_floating_point() or args[i].is_complex())
+                keeps_tensors |= index
                 field = f"(_kept_index({t}) if {t}.numel() <= {INDEX_NUMEL} else ({t}.shape, {t}.dtype))" if index \
                     else f"({t}.shape, {t}.dtype)"
                 fields.append(f"(None if {t} is None else {field})" if kind == "optional" else field)
             else:
                 fields.append(f"_metadata({t})" if kind == "list" else t)
-        return eval(f"lambda a: ({', '.join(fields)}{',' if len(fields) == 1 else ''})",  # noqa: S307 - our own text
-                    {"_metadata": _metadata, "_kept_index": _kept_index})
+        meta = f"({', '.join(fields)}{',' if len(fields) == 1 else ''})"
+        # a kept index tensor makes each call's description distinct: those skip the memo
+        body = f"_plain({meta})" if keeps_tensors else f"known(key := {meta}) or remember(key)"
+        return eval(f"lambda a: {body}",  # noqa: S307 - our own text
+                    {"_metadata": _metadata, "_kept_index": _kept_index, "_plain": _plain, "known": known.get,
+                     "remember": remember})
 
     def describe(args: tuple) -> tuple:
-        try:
-            return made[len(args)](args)
-        except KeyError:
-            if len(args) > len(kinds):
-                return tuple(_metadata(a) for a in args)
-            fn = made[len(args)] = generated(args)
-            return fn(args)
+        if len(args) > len(kinds):
+            return _plain(tuple(_metadata(a) for a in args))
+        fn = made[len(args)] = generated(args)
+        return fn(args)
 
-    return describe
+    return made, describe
 
 
 def _kept_index(t: torch.Tensor) -> torch.Tensor:
@@ -423,7 +442,18 @@ def _metadata(value):
 
 
 def _is_metadata(value) -> bool:
-    return type(value) is tuple and len(value) == 2 and type(value[0]) is torch.Size
+    """Whether ``value`` is a recorded tensor: ``(shape, dtype)``, the shape a tuple or a ``torch.Size``."""
+    return type(value) is tuple and len(value) == 2 and type(value[0]) in (tuple, torch.Size) \
+        and isinstance(value[1], torch.dtype)
+
+
+def _plain(value):
+    """A description with each shape a plain tuple (which the garbage collector stops tracking)."""
+    if _is_metadata(value):
+        return tuple(value[0]), value[1]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def _on_meta(value, keep_index: bool):
@@ -454,7 +484,7 @@ def _shapes_dtypes_arguments(meta: tuple) -> tuple[list, list, list]:
             _is_metadata(v) or isinstance(v, _Tensor) for v in value) else (value,)
         for item in items:
             if isinstance(item, _Tensor):
-                item = item.shape, item.dtype
+                item = tuple(item.shape), item.dtype
             if _is_metadata(item):
                 shapes.append(list(item[0]))
                 dtypes.append(str(item[1]).removeprefix("torch."))
@@ -539,40 +569,50 @@ class Telemetry:
     def _recording(self, op: torch._ops.OpOverload, kernel: Callable) -> Callable:
         """``kernel`` adding a record of each call to the ring: the hot path, kept to a few lookups."""
         name = op._opname
-        describe = _describer(op)
+        made, describe = _describer(op)
         shapes = self.shapes
+        host_only = not torch.accelerator.is_available()  # then every tensor is on the CPU
         append = self._ring.append
         clock = time.perf_counter
         tensor_positions = [i for i, a in enumerate(op._schema.arguments) if isinstance(a.type, torch.TensorType)]
         first = tensor_positions[0] if tensor_positions else None
         local = _local
 
+        # a record holds strings, floats and plain tuples only (kwargs as pairs), which the garbage
+        # collector stops tracking (see _describer)
         def recorded(*args, **kwargs):
-            frame: list[str] = []
             try:
                 stack = local.calls
             except AttributeError:
                 stack = _open_calls()
-            stack.append(frame)
-            if first is None or args[first].is_cpu:
+            stack.append("")
+            timing = None
+            if host_only or first is None or args[first].is_cpu:
                 start = clock()
                 try:
                     out = kernel(*args, **kwargs)
                 finally:
-                    stack.pop()
-                append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None, None))
-                return out
-            device = args[first].device
-            begin, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
-            start = clock()
-            begin.record()
-            try:
-                out = kernel(*args, **kwargs)
-            finally:
-                stack.pop()
-            end.record()
-            append((name, start, clock(), frame, describe(args) if shapes else None, kwargs or None,
-                    (device, begin, end, None)))
+                    ran = stack.pop()
+                end = clock()
+            else:  # device events around the call, read when a snapshot is taken: no sync here
+                device = args[first].device
+                begin, stop = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
+                start = clock()
+                begin.record()
+                try:
+                    out = kernel(*args, **kwargs)
+                finally:
+                    ran = stack.pop()
+                stop.record()
+                end = clock()
+                timing = device, begin, stop, None
+            meta = None
+            if shapes:
+                try:
+                    meta = made[len(args)](args)
+                except KeyError:  # the first call with this many arguments
+                    meta = describe(args)
+            append((name, start, end, ran, meta, tuple(kwargs.items()) if kwargs else None, timing))
             return out
 
         recorded.__name__ = f"{name}_recorded"
@@ -611,7 +651,7 @@ class Telemetry:
                 break
         names: dict = {}
         rows = []
-        for name, start, end, frame, meta, kwargs, timing in list(self._ring):
+        for name, start, end, ran, meta, kwargs, timing in list(self._ring):
             if end < cutoff:
                 continue
             if timing is None:
@@ -627,8 +667,8 @@ class Telemetry:
             if timing is not None and timing[3] is not None:
                 flops, nbytes = timing[3].flops, timing[3].bytes
             else:
-                flops, nbytes = self._cost(name, meta, kwargs)
-            rows.append({"op": name, "backend": "+".join(dict.fromkeys(frame)) or NO_KERNEL, "device": names[device],
+                flops, nbytes = self._cost(name, meta, dict(kwargs) if kwargs else None)
+            rows.append({"op": name, "backend": ran or NO_KERNEL, "device": names[device],
                          "start": start + self._clock_offset, "seconds": seconds_taken, "shapes": shapes,
                          "dtypes": dtypes, "arguments": others, "flops": flops, "bytes": nbytes})
         return rows
