@@ -207,6 +207,14 @@ def _chunk_terms(k, v, g, beta, s0, q=None, per_channel=False):
     return terms
 
 
+def _chunk_outputs(q, k, v, g, beta, s0, per_channel):
+    """(o or None without ``q``, end state) of a chunk from its start state ``s0``."""
+    terms = _chunk_terms(k, v, g, beta, s0, q=q, per_channel=per_channel)
+    w = terms["w"]
+    o = None if q is None else _dot(q * terms["e"], s0) + _dot(terms["qk"], w)
+    return o, terms["total"] * s0 + _dot(k * terms["f"], w, ta=True)
+
+
 def _take(refs, present):
     return refs.pop(0) if present else None
 
@@ -234,12 +242,9 @@ def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, per_chann
     k, v = k_ref[...].astype(_F32), v_ref[...].astype(_F32)
     beta = beta_ref[...].astype(_F32) if delta else None
     q = q_ref[...].astype(_F32) * scale if with_output else None
-    terms = _chunk_terms(k, v, g_ref[...], beta, s0, q=q, per_channel=per_channel)
-    w = terms["w"]
+    o, s1 = _chunk_outputs(q, k, v, g_ref[...], beta, s0, per_channel)
     if with_output:
-        o = _dot(q * terms["e"], s0) + _dot(terms["qk"], w)
         o_ref[...] = o.astype(o_ref.dtype)
-    s1 = terms["total"] * s0 + _dot(k * terms["f"], w, ta=True)
     state_ref[...] = s1
 
     @pl.when(last_ref[c] == 1)
@@ -261,7 +266,7 @@ def _gate_grad(d_seg, d_start, d_to_end, d_total):
     return jnp.sum(per_step, axis=0, keepdims=True) + d_total
 
 
-def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chunks):
+def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, per_channel, num_chunks):
     del seq_ref
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref = (refs.pop(0) for _ in range(4))
@@ -279,6 +284,16 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
     q = q_ref[...].astype(_F32) * scale
     k, v, do = k_ref[...].astype(_F32), v_ref[...].astype(_F32), do_ref[...].astype(_F32)
     beta = beta_ref[...].astype(_F32) if delta else None
+    if per_channel:
+        # the chunk's math differentiated where it is traced (its gates' sums are masked matmuls,
+        # whose transposes sum the gradients over the same spans: nothing cancels)
+        _, chunk_vjp = jax.vjp(functools.partial(_chunk_outputs, per_channel=True), q, k, v, g_ref[...], beta, s0)
+        dq, dk, dv, dg, dbeta, ds0 = chunk_vjp((do, ds1))
+        if delta:
+            dbeta_ref[...] = dbeta
+        _store_chunk_grads(first_ref[c], dq * scale, dk, dv, dg, ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref,
+                           dh0_ref)
+        return
     t = _chunk_terms(k, v, g_ref[...], beta, s0)
     decay, e, f, w = t["decay"], t["e"], t["f"], t["w"]
 
@@ -312,13 +327,19 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
         dk = dk + _dot(dkk, k) + _dot(dkk, k, ta=True)
     else:
         dv = dw
-    dg_ref[...] = _gate_grad(d_decay * decay, d_start, d_to_end, d_total)
-    dq_ref[...] = dq * scale
+    _store_chunk_grads(first_ref[c], dq * scale, dk, dv, _gate_grad(d_decay * decay, d_start, d_to_end, d_total),
+                       ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref, dh0_ref)
+
+
+def _store_chunk_grads(first, dq, dk, dv, dg, ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref, dh0_ref):
+    """A chunk's gradients out; ``ds0`` carried to the chunk before, or out as dh0 at a first chunk."""
+    dq_ref[...] = dq
     dk_ref[...] = dk
     dv_ref[...] = dv
+    dg_ref[...] = dg
     dstate_ref[...] = ds0
 
-    @pl.when(first_ref[c] == 1)
+    @pl.when(first == 1)
     def _():
         dh0_ref[...] = ds0
 
@@ -332,7 +353,7 @@ class _Config:
     scale: float
     delta: bool
     interpret: bool | None
-    per_channel: bool = False  # g per key channel (the forward kernel only)
+    per_channel: bool = False  # g per key channel
 
 
 def _specs(heads, value_heads, num_chunks, k_dim, v_dim, *, reverse=False):
@@ -404,17 +425,19 @@ def _run_backward(cfg, q, k, v, g, beta, h0, seq, first, last, do, dht):
     _, _, starts = _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, with_output=False, with_states=True)
     spec = _specs(heads, value_heads, num_chunks, k_dim, v_dim, reverse=True)
     inputs = [q, k, v, g] + ([beta] if cfg.delta else []) + [starts, do, dht]
-    in_specs = ([spec["qk"], spec["qk"], spec["v"], spec["row"]] + ([spec["col"]] if cfg.delta else [])
+    gates = spec["per_head_k"] if cfg.per_channel else spec["row"]
+    in_specs = ([spec["qk"], spec["qk"], spec["v"], gates] + ([spec["col"]] if cfg.delta else [])
                 + [spec["chunk_state"], spec["v"], spec["seq_state"]])
     per_head_k = jax.ShapeDtypeStruct((value_heads, length, k_dim), _F32)
     out_shape = [per_head_k, per_head_k, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(g.shape, _F32)]
-    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], spec["row"]]
+    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], gates]
     if cfg.delta:
         out_shape.append(jax.ShapeDtypeStruct((value_heads, length, 1), _F32))
         out_specs.append(spec["col"])
     out_shape.append(jax.ShapeDtypeStruct(h0.shape, _F32))
     out_specs.append(spec["seq_state"])
-    kernel = functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, num_chunks=num_chunks)
+    kernel = functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, per_channel=cfg.per_channel,
+                               num_chunks=num_chunks)
     outs = _launch(kernel, cfg, (value_heads, num_chunks), in_specs, out_specs, out_shape, (k_dim, v_dim),
                    (seq, first, last), inputs)
     dq, dk, dv, dg = outs[:4]
@@ -588,11 +611,11 @@ def _chunk_backward(do, dht, q, k, v, g, beta, initial_state, gather, scatter, s
     return prepare_vjp(grads)
 
 
-def _config(q, scale, delta, interpret):
+def _config(q, g, scale, delta, interpret):
     if q.dtype == jnp.float64:
         raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _Config(scale=scale, delta=delta, interpret=interpret)
+    return _Config(scale=scale, delta=delta, interpret=interpret, per_channel=g is not None and g.ndim == 4)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -602,7 +625,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_
     ``g=None`` means no decay. ``cu_seqlens`` (B = 1) must be concrete (NumPy, a tuple or an
     unjitted array). Differentiable in q, k, v, g, beta and initial_state (``jax.grad``).
     """
-    cfg = _config(q, scale, True, interpret)
+    cfg = _config(q, g, scale, True, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_forward(q, k, v, g, beta, initial_state, *layout, cfg=cfg, l2norm=bool(use_qk_l2norm),
                           num_states=len(spans))
@@ -611,45 +634,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_
 def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, cu_seqlens=None, *, interpret=None):
     """Simple gated linear attention (one log decay per head and step, or none) by the chunked
     Pallas kernels; arguments and results as :func:`chunk_gated_delta_rule` without beta."""
-    cfg = _config(q, scale, False, interpret)
+    cfg = _config(q, g, scale, False, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_forward(q, k, v, g, None, initial_state, *layout, cfg=cfg, l2norm=False, num_states=len(spans))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda(static, q, k, v, g, beta, initial_state):
-    """KDA's forward by the chunked kernel; ``static``: (config, l2norm, spans)."""
-    cfg, l2norm, spans = static
-    layout = _chunk_layout(spans, q.shape[0] * q.shape[1])
-    return _chunk_forward(q, k, v, g, beta, initial_state, *layout, cfg=cfg, l2norm=l2norm, num_states=len(spans))
-
-
-def _kda_fwd(static, *inputs):
-    return _kda(static, *inputs), inputs
-
-
-def _kda_bwd(static, inputs, cotangents):
-    cfg, l2norm, spans = static
-    layout = _step_layout(spans, inputs[0].shape[0] * inputs[0].shape[1])
-    _, vjp = jax.vjp(lambda *x: _recurrent(*x, *layout, scale=cfg.scale, l2norm=l2norm, num_states=len(spans)),
-                     *inputs)
-    do, dht = cotangents
-    return vjp((do.astype(inputs[2].dtype), dht.astype(_F32)))
-
-
-_kda.defvjp(_kda_fwd, _kda_bwd)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False, *,
               interpret=None):
     """Kimi Delta Attention: :func:`chunk_gated_delta_rule` with a log decay per key channel, ``g
-    [B, T, HV, K]``. The forward runs the chunked kernel; the gradients are those of the step
-    form (:func:`recurrent_backward`'s scan, exact for any decay), as the backward kernel takes a
-    per-head decay only."""
+    [B, T, HV, K]``, by the same chunked kernels (both directions)."""
     if g.ndim != 4:
         raise ValueError(f"g: expected a decay per key channel [B, T, HV, K], got shape {tuple(g.shape)}")
-    cfg = dataclasses.replace(_config(q, scale, True, interpret), per_channel=True)
-    return _kda((cfg, bool(use_qk_l2norm), _spans(cu_seqlens, *q.shape[:2])), q, k, v, g, beta, initial_state)
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+                                  interpret=interpret)
 
 
 def chunk_backward(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -657,7 +654,7 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu
     """``(dq, dk, dv, dg, dbeta, dh0)`` of the chunked op (``beta=None``: simple GLA) for output
     gradient ``do`` and final-state gradient ``dht`` (None: unused), by the backward kernels.
     Gradients of absent inputs are None."""
-    cfg = _config(q, scale, beta is not None, interpret)
+    cfg = _config(q, g, scale, beta is not None, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_backward(do, dht, q, k, v, g, beta, initial_state, *layout, cfg=cfg,
                            l2norm=bool(use_qk_l2norm) and beta is not None, num_states=len(spans))

@@ -1,7 +1,7 @@
 """The linear_attention family on the pallas backend: the chunked and recurrent forms.
 
 CPU torch tensors: ``pallas_chunk_forward``/``_backward`` (the chunked ops; ``beta=None`` is
-simple GLA, a ``g`` per key channel Kimi Delta Attention, whose backward is the recurrent one)
+simple GLA, a ``g`` per key channel Kimi Delta Attention)
 and ``pallas_recurrent_forward``/``_backward``, the kernels
 ``torch_kernels.ops.linear_attention`` registers. Torchax tensors: :func:`torchax_implementations`.
 """
