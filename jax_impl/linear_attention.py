@@ -33,15 +33,17 @@ Each exponent is summed over its own gates, never taken as a difference ``b_t - 
 cumulative sums: that cancels in float32 once gates are large (g = -1e4 left errors of 1e-3) and
 is NaN for g = -inf, a full state reset. The gates' gradient is summed the same way.
 
-**A decay per key channel** (Kimi Delta Attention, ``g [B, T, HV, K]``, the forward kernel only):
-the gates reach the kernel laid out as k, ``e``, ``f`` become ``[C, K]``, ``G`` a per-row
+**A decay per key channel** (Kimi Delta Attention, ``g [B, T, HV, K]``, ``_Config.per_channel``):
+the gates reach the kernels laid out as k, ``e``, ``f`` become ``[C, K]``, ``G`` a per-row
 ``[K, 1]``, and ``D`` gains a channel: the products ``P(X, Y)_ts = sum_c X_tc Y_sc D_tsc`` no
 longer factor into one matmul. Within sub-chunks of ``SUB`` rows they are taken elementwise on
 ``[SUB, SUB, K]``; below them, for row block ``i`` starting at row ``r + 1``, ``D_tsc = exp(g_{r+1}
 + ... + g_t) exp(g_{s+1} + ... + g_r)`` for ``s <= r < t``, so ``P = (X * exp(...)) (Y *
 exp(...))^T``, a matmul with both exponents sums of gates of one sign (each <= 0, no overflow,
 no cancellation). ``A`` and ``O`` then use ``P(K, K)`` and ``P(Q, K)``, and ``E * K S0`` becomes
-``(E * K) S0``.
+``(E * K) S0``. The backward kernel takes the vjp of that chunk math where the kernel is traced
+(the vjp of a masked gate sum ``mask @ g`` is ``mask^T @ d``: the gradients are summed over the
+same spans, with no differences either), in place of the hand-written per-head formulas.
 
 The backward (a ``jax.custom_vjp``) stores nothing from the forward but its inputs: it recomputes
 the chunk start states with the forward kernel (states only, no output), then runs a second kernel

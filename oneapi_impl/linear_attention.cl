@@ -248,6 +248,22 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
 // PER_CHANNEL: P1 and P2 hold dO W^T and diag(beta) dA without D, which enters per channel c
 // where a work-item owning c sums dQ_tc = sum_s P1_ts D_tsc K_sc and the like, and dg_uc.
 
+// Row t's products with state row c over the block's columns: S0_c . dO_t, S0_c . beta_t R_t
+// (the row's dU) and dS_c . W_t.
+static void state_products(__local float (*S)[VB], __local float (*dS)[VB], __local float (*dO)[VB],
+                           __local float (*R)[VB], __local float (*W)[VB], float bt_t, uint c, uint t,
+                           float *s0_do, float *s0_du, float *ds_w) {
+    float a = 0.0f, b = 0.0f, d = 0.0f;
+    for (int j = 0; j < VB; ++j) {
+        a = fma(S[c][j], dO[t][j], a);
+        b = fma(S[c][j], bt_t * R[t][j], b);
+        d = fma(dS[c][j], W[t][j], d);
+    }
+    *s0_do = a;
+    *s0_du = b;
+    *ds_w = d;
+}
+
 // NDRange and groups as chunk_forward. Pass 1 reruns the forward to store each chunk's start
 // state in `checkpoints` [chunks, HV, K, V] (this sequence's chunks from chunk_first[seq]);
 // pass 2 walks the chunks backwards carrying dS in local memory.
@@ -360,12 +376,8 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         for (uint c = lid; c < (uint)K; c += WG) {
             float dq_c[CHUNK], dk_c[CHUNK], dg_c[CHUNK], start_c[CHUNK];
             for (int t = 0; t < n; ++t) {
-                float s0_do = 0.0f, s0_du = 0.0f, ds_w = 0.0f;
-                for (int j = 0; j < VB; ++j) {
-                    s0_do = fma(S[c][j], dO[t][j], s0_do);
-                    s0_du = fma(S[c][j], bt[t] * R[t][j], s0_du);
-                    ds_w = fma(dS[c][j], W[t][j], ds_w);
-                }
+                float s0_do, s0_du, ds_w;
+                state_products(S, dS, dO, R, W, bt[t], c, t, &s0_do, &s0_du, &ds_w);
                 dq_c[t] = scale * e[t][c] * s0_do;
                 dk_c[t] = r[t][c] * ds_w - e[t][c] * s0_du;
                 start_c[t] = e[t][c] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);  // e_tc's term
@@ -429,12 +441,8 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
             float cross = 0.0f, start = 0.0f, end = 0.0f;
             for (uint s = 0; s < t; ++s) cross += M[t][s];
             for (int c = 0; c < K; ++c) {
-                float s0_do = 0.0f, s0_du = 0.0f, ds_w = 0.0f;
-                for (int j = 0; j < VB; ++j) {
-                    s0_do = fma(S[c][j], dO[t][j], s0_do);
-                    s0_du = fma(S[c][j], bt[t] * R[t][j], s0_du);
-                    ds_w = fma(dS[c][j], W[t][j], ds_w);
-                }
+                float s0_do, s0_du, ds_w;
+                state_products(S, dS, dO, R, W, bt[t], c, t, &s0_do, &s0_du, &ds_w);
                 float dq_c = scale * e[t][0] * s0_do, dk_c = r[t][0] * ds_w - e[t][0] * s0_du;
                 for (uint s = 0; s < CHUNK; ++s) {
                     dq_c = fma(P1[t][s], Ks[s][c], dq_c);

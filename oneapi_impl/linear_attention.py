@@ -3,7 +3,7 @@ kernel also takes Kimi Delta Attention's decay per key channel (``g [B, T, HV, K
 
 Contract: ``torch_kernels.ops.linear_attention`` (the backend functions) and
 ``torch_kernels.reference.linear_attention`` (the math). Four kernels share one SPIR-V build per
-(q/k dtype, v dtype, delta rule or not, K bound, state block):
+(q/k dtype, v dtype, delta rule or not, K bound, state block, decay per key channel or per head):
 
 - ``chunk_forward``: a work-group per (sequence, value head, block of state columns) walks the
   sequence in chunks of 64 rows with its state block in local memory, using the WY form;
