@@ -149,7 +149,9 @@ def test_per_head_decay_broadcast_over_channels_is_gated_deltanet(backend, op):
     torch.testing.assert_close(ht, ht_gdn, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", backend_params(CHUNK))
+# pallas's kernels load every input as float32, as its Gated DeltaNet kernels do: a bfloat16
+# compile of its interpreted kernels would cost more test time than it adds
+@pytest.mark.parametrize("backend", backend_params(CHUNK, exclude=("pallas",)))
 def test_bfloat16_inputs(backend):
     """bfloat16 q, k, v through chunk_kda: o in bfloat16, the state and arithmetic float32; the
     gradients against the definition on the same rounded inputs within the family's bounds."""
