@@ -33,6 +33,18 @@ Each exponent is summed over its own gates, never taken as a difference ``b_t - 
 cumulative sums: that cancels in float32 once gates are large (g = -1e4 left errors of 1e-3) and
 is NaN for g = -inf, a full state reset. The gates' gradient is summed the same way.
 
+**A decay per key channel** (Kimi Delta Attention, ``g [B, T, HV, K]``, ``_Config.per_channel``):
+the gates reach the kernels laid out as k, ``e``, ``f`` become ``[C, K]``, ``G`` a per-row
+``[K, 1]``, and ``D`` gains a channel: the products ``P(X, Y)_ts = sum_c X_tc Y_sc D_tsc`` no
+longer factor into one matmul. Within sub-chunks of ``SUB`` rows they are taken elementwise on
+``[SUB, SUB, K]``; below them, for row block ``i`` starting at row ``r + 1``, ``D_tsc = exp(g_{r+1}
++ ... + g_t) exp(g_{s+1} + ... + g_r)`` for ``s <= r < t``, so ``P = (X * exp(...)) (Y *
+exp(...))^T``, a matmul with both exponents sums of gates of one sign (each <= 0, no overflow,
+no cancellation). ``A`` and ``O`` then use ``P(K, K)`` and ``P(Q, K)``, and ``E * K S0`` becomes
+``(E * K) S0``. The backward kernel takes the vjp of that chunk math where the kernel is traced
+(the vjp of a masked gate sum ``mask @ g`` is ``mask^T @ d``: the gradients are summed over the
+same spans, with no differences either), in place of the hand-written per-head formulas.
+
 The backward (a ``jax.custom_vjp``) stores nothing from the forward but its inputs: it recomputes
 the chunk start states with the forward kernel (states only, no output), then runs a second kernel
 over the chunks in reverse order that carries dS (the state's gradient) in VMEM, recomputes the
@@ -62,6 +74,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import interpret_params, round_up
 
 CHUNK = 64
+SUB = 16  # rows of the sub-chunks whose per-channel decays are taken elementwise
 LANES = 128
 EPS = 1e-6
 _GATE_FLOOR = -1e30  # a chunk's sum of 64 such gates still fits in float32
@@ -118,25 +131,97 @@ def _chunk_decays(g_row):
                 e=jnp.exp(start), f=jnp.exp(to_end), total=jnp.exp(start[-1:, :]))
 
 
-def _chunk_terms(k, v, g_row, beta, s0):
-    """What forward and backward both need of a chunk: :func:`_chunk_decays` and the effective values."""
-    terms = _chunk_decays(g_row)
+def _channel_decays(g):
+    """:func:`_chunk_decays` for gates per key channel ``g [C, K]``: ``e``, ``f [C, K]``, ``total
+    [K, 1]`` (a decay per state row) and ``sums(mask)``, ``mask @ g`` for a 0/1 ``mask [R, C]``:
+    the sum of the gates each row of ``mask`` picks, per channel."""
+    shape = (g.shape[0], g.shape[0])
+    rows, cols = _iota(shape, 0), _iota(shape, 1)
+    finite = jnp.maximum(g, _GATE_FLOOR)  # as in _chunk_decays: 0 * -inf is NaN in the matmuls
+
+    def sums(mask):
+        return _dot(mask.astype(_F32), finite)
+
+    total = _dot(finite, jnp.ones((g.shape[0], 1), _F32), ta=True)
+    return dict(lower=rows >= cols, strict=rows > cols, e=jnp.exp(sums(cols <= rows)), f=jnp.exp(sums(cols > rows)),
+                total=jnp.exp(total), sums=sums)
+
+
+def _channel_products(xs, y, sums):
+    """``P(x, y)_ts = sum_c x_tc y_sc D_tsc`` on and below the diagonal (0 above) for each ``x`` of
+    ``xs``, all ``[C, K]``, with ``D_tsc = exp(g_{s+1,c} + ... + g_tc)`` from :func:`_channel_decays`'
+    ``sums`` (module docstring: elementwise within ``SUB``-row blocks, by a reference row below)."""
+    size = y.shape[0]
+    sub = min(SUB, size)
+    rows, cols = _iota((size, size), 0), _iota((size, size), 1)
+    # exp(g_{r+1} + ... + g_t), r + 1 the first row of t's block: the left factors of every block
+    same_block = jax.lax.div(rows, jnp.int32(sub)) == jax.lax.div(cols, jnp.int32(sub))
+    to_row = jnp.exp(sums(same_block & (cols <= rows)))
+    t3, s3, u3 = (_iota((sub, sub, size), axis) for axis in range(3))
+    on_or_below = (_iota((sub, sub, 1), 1) <= _iota((sub, sub, 1), 0))
+    block_cols = _iota((sub, size), 1)
+    blocks = [[] for _ in xs]
+    for first in range(0, size, sub):
+        rows_b = slice(first, first + sub)
+        # inside the block: D_tsc for t, s in it, elementwise
+        span = (s3 + first < u3) & (u3 <= t3 + first)  # [t, s, u]: u in s + 1 .. t
+        seg = sums(span.reshape(sub * sub, size)).reshape(sub, sub, -1)
+        decay = jnp.exp(jnp.where(on_or_below, seg, -jnp.inf))
+        place = (block_cols == _iota((sub, size), 0) + first).astype(_F32)  # block column s -> chunk column
+        inside = [_dot(jnp.sum(x[rows_b][:, None, :] * y[rows_b][None, :, :] * decay, axis=-1), place) for x in xs]
+        if first:
+            # below it: exp(g_{s+1} + ... + g_r) on the right, r = first - 1, for s < first
+            below = y * jnp.exp(sums((rows < cols) & (cols < first)))
+            left = [x[rows_b] * to_row[rows_b] for x in xs]
+            inside = [p + jnp.where(block_cols < first, _dot(a, below, tb=True), 0.0) for p, a in zip(inside, left)]
+        for out, p in zip(blocks, inside):
+            out.append(p)
+    return [jnp.concatenate(b, axis=0) for b in blocks]
+
+
+def _chunk_terms(k, v, g, beta, s0, q=None, per_channel=False):
+    """What forward and backward both need of a chunk: :func:`_chunk_decays` (or
+    :func:`_channel_decays` with ``per_channel``) and the effective values; with ``q``, also
+    ``qk``, the output's decayed ``Q K^T`` (lower)."""
+    if per_channel:
+        terms = _channel_decays(g)
+        products = _channel_products([k] if q is None else [k, q], k, terms["sums"])
+        kk_decayed = products[0]
+        if q is not None:
+            terms["qk"] = products[1]
+    else:
+        terms = _chunk_decays(g)
+        if q is not None:
+            terms["qk"] = terms["decay"] * _dot(q, k, tb=True)
     if beta is None:
         terms["w"] = v
         return terms
-    kk = _dot(k, k, tb=True)
-    inverse = _unit_lower_inverse(jnp.where(terms["strict"], terms["decay"] * kk * beta, 0.0))
-    ks = _dot(k, s0)
-    u = v - terms["e"] * ks
-    terms.update(kk=kk, inverse=inverse, ks=ks, u=u, w=_dot(inverse, beta * u))
+    if per_channel:
+        u = v - _dot(k * terms["e"], s0)
+        terms.update(u=u, inverse=_unit_lower_inverse(jnp.where(terms["strict"], kk_decayed * beta, 0.0)))
+    else:
+        kk = _dot(k, k, tb=True)
+        ks = _dot(k, s0)
+        u = v - terms["e"] * ks
+        terms.update(kk=kk, ks=ks, u=u,
+                     inverse=_unit_lower_inverse(jnp.where(terms["strict"], terms["decay"] * kk * beta, 0.0)))
+    terms["w"] = _dot(terms["inverse"], beta * u)
     return terms
+
+
+def _chunk_outputs(q, k, v, g, beta, s0, per_channel):
+    """(o or None without ``q``, end state) of a chunk from its start state ``s0``."""
+    terms = _chunk_terms(k, v, g, beta, s0, q=q, per_channel=per_channel)
+    w = terms["w"]
+    o = None if q is None else _dot(q * terms["e"], s0) + _dot(terms["qk"], w)
+    return o, terms["total"] * s0 + _dot(k * terms["f"], w, ta=True)
 
 
 def _take(refs, present):
     return refs.pop(0) if present else None
 
 
-def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, with_output, with_states):
+def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, per_channel, with_output, with_states):
     del seq_ref  # used by the index maps only
     refs = list(refs)
     q_ref = _take(refs, with_output)
@@ -158,13 +243,10 @@ def _forward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, with_outp
         states_ref[...] = s0
     k, v = k_ref[...].astype(_F32), v_ref[...].astype(_F32)
     beta = beta_ref[...].astype(_F32) if delta else None
-    terms = _chunk_terms(k, v, g_ref[...], beta, s0)
-    w = terms["w"]
+    q = q_ref[...].astype(_F32) * scale if with_output else None
+    o, s1 = _chunk_outputs(q, k, v, g_ref[...], beta, s0, per_channel)
     if with_output:
-        q = q_ref[...].astype(_F32) * scale
-        o = terms["e"] * _dot(q, s0) + _dot(terms["decay"] * _dot(q, k, tb=True), w)
         o_ref[...] = o.astype(o_ref.dtype)
-    s1 = terms["total"] * s0 + _dot(k * terms["f"], w, ta=True)
     state_ref[...] = s1
 
     @pl.when(last_ref[c] == 1)
@@ -186,7 +268,7 @@ def _gate_grad(d_seg, d_start, d_to_end, d_total):
     return jnp.sum(per_step, axis=0, keepdims=True) + d_total
 
 
-def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chunks):
+def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, per_channel, num_chunks):
     del seq_ref
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref = (refs.pop(0) for _ in range(4))
@@ -204,6 +286,16 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
     q = q_ref[...].astype(_F32) * scale
     k, v, do = k_ref[...].astype(_F32), v_ref[...].astype(_F32), do_ref[...].astype(_F32)
     beta = beta_ref[...].astype(_F32) if delta else None
+    if per_channel:
+        # the chunk's math differentiated where it is traced (its gates' sums are masked matmuls,
+        # whose transposes sum the gradients over the same spans: nothing cancels)
+        _, chunk_vjp = jax.vjp(functools.partial(_chunk_outputs, per_channel=True), q, k, v, g_ref[...], beta, s0)
+        dq, dk, dv, dg, dbeta, ds0 = chunk_vjp((do, ds1))
+        if delta:
+            dbeta_ref[...] = dbeta
+        _store_chunk_grads(first_ref[c], dq * scale, dk, dv, dg, ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref,
+                           dh0_ref)
+        return
     t = _chunk_terms(k, v, g_ref[...], beta, s0)
     decay, e, f, w = t["decay"], t["e"], t["f"], t["w"]
 
@@ -237,13 +329,19 @@ def _backward_kernel(seq_ref, first_ref, last_ref, *refs, scale, delta, num_chun
         dk = dk + _dot(dkk, k) + _dot(dkk, k, ta=True)
     else:
         dv = dw
-    dg_ref[...] = _gate_grad(d_decay * decay, d_start, d_to_end, d_total)
-    dq_ref[...] = dq * scale
+    _store_chunk_grads(first_ref[c], dq * scale, dk, dv, _gate_grad(d_decay * decay, d_start, d_to_end, d_total),
+                       ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref, dh0_ref)
+
+
+def _store_chunk_grads(first, dq, dk, dv, dg, ds0, dq_ref, dk_ref, dv_ref, dg_ref, dstate_ref, dh0_ref):
+    """A chunk's gradients out; ``ds0`` carried to the chunk before, or out as dh0 at a first chunk."""
+    dq_ref[...] = dq
     dk_ref[...] = dk
     dv_ref[...] = dv
+    dg_ref[...] = dg
     dstate_ref[...] = ds0
 
-    @pl.when(first_ref[c] == 1)
+    @pl.when(first == 1)
     def _():
         dh0_ref[...] = ds0
 
@@ -257,6 +355,7 @@ class _Config:
     scale: float
     delta: bool
     interpret: bool | None
+    per_channel: bool = False  # g per key channel
 
 
 def _specs(heads, value_heads, num_chunks, k_dim, v_dim, *, reverse=False):
@@ -299,7 +398,8 @@ def _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, *, with_output, wi
     num_chunks = length // CHUNK
     spec = _specs(heads, value_heads, num_chunks, k_dim, v_dim)
     inputs = ([q] if with_output else []) + [k, v, g] + ([beta] if cfg.delta else []) + [h0]
-    in_specs = (([spec["qk"]] if with_output else []) + [spec["qk"], spec["v"], spec["row"]]
+    gates = spec["per_head_k"] if cfg.per_channel else spec["row"]
+    in_specs = (([spec["qk"]] if with_output else []) + [spec["qk"], spec["v"], gates]
                 + ([spec["col"]] if cfg.delta else []) + [spec["seq_state"]])
     out_specs, out_shape = [], []
     if with_output:
@@ -310,8 +410,8 @@ def _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, *, with_output, wi
     if with_states:
         out_specs.append(spec["chunk_state"])
         out_shape.append(jax.ShapeDtypeStruct((value_heads, num_chunks, k_dim, v_dim), _F32))
-    kernel = functools.partial(_forward_kernel, scale=cfg.scale, delta=cfg.delta, with_output=with_output,
-                               with_states=with_states)
+    kernel = functools.partial(_forward_kernel, scale=cfg.scale, delta=cfg.delta, per_channel=cfg.per_channel,
+                               with_output=with_output, with_states=with_states)
     outs = _launch(kernel, cfg, (value_heads, num_chunks), in_specs, out_specs, out_shape, (k_dim, v_dim),
                    (seq, first, last), inputs)
     o = outs.pop(0) if with_output else None
@@ -327,17 +427,19 @@ def _run_backward(cfg, q, k, v, g, beta, h0, seq, first, last, do, dht):
     _, _, starts = _run_forward(cfg, q, k, v, g, beta, h0, seq, first, last, with_output=False, with_states=True)
     spec = _specs(heads, value_heads, num_chunks, k_dim, v_dim, reverse=True)
     inputs = [q, k, v, g] + ([beta] if cfg.delta else []) + [starts, do, dht]
-    in_specs = ([spec["qk"], spec["qk"], spec["v"], spec["row"]] + ([spec["col"]] if cfg.delta else [])
+    gates = spec["per_head_k"] if cfg.per_channel else spec["row"]
+    in_specs = ([spec["qk"], spec["qk"], spec["v"], gates] + ([spec["col"]] if cfg.delta else [])
                 + [spec["chunk_state"], spec["v"], spec["seq_state"]])
     per_head_k = jax.ShapeDtypeStruct((value_heads, length, k_dim), _F32)
     out_shape = [per_head_k, per_head_k, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(g.shape, _F32)]
-    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], spec["row"]]
+    out_specs = [spec["per_head_k"], spec["per_head_k"], spec["v"], gates]
     if cfg.delta:
         out_shape.append(jax.ShapeDtypeStruct((value_heads, length, 1), _F32))
         out_specs.append(spec["col"])
     out_shape.append(jax.ShapeDtypeStruct(h0.shape, _F32))
     out_specs.append(spec["seq_state"])
-    kernel = functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, num_chunks=num_chunks)
+    kernel = functools.partial(_backward_kernel, scale=cfg.scale, delta=cfg.delta, per_channel=cfg.per_channel,
+                               num_chunks=num_chunks)
     outs = _launch(kernel, cfg, (value_heads, num_chunks), in_specs, out_specs, out_shape, (k_dim, v_dim),
                    (seq, first, last), inputs)
     dq, dk, dv, dg = outs[:4]
@@ -460,7 +562,12 @@ def _prepare_chunks(q, k, v, g, beta, initial_state, gather, *, l2norm, num_stat
         q, k = l2_normalize(q), l2_normalize(k)
     heads_first = lambda x, size: _pad_last(jnp.moveaxis(_pack(x, gather), 1, 0), size)  # noqa: E731
     gates = (value_heads, gather.shape[0] // CHUNK, 1, CHUNK)  # a row per chunk
-    g = jnp.zeros(gates, _F32) if g is None else _pack(g.astype(_F32), gather).T.reshape(gates)
+    if g is None:
+        g = jnp.zeros(gates, _F32)
+    elif g.ndim == 4:  # per key channel: laid out as k
+        g = heads_first(g.astype(_F32), kp)
+    else:
+        g = _pack(g.astype(_F32), gather).T.reshape(gates)
     beta = None if beta is None else _pack(beta, gather).T[..., None]
     h0 = _states(initial_state, num_states, value_heads, k_dim, v_dim)
     h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, kp - k_dim), (0, vp - v_dim)))
@@ -506,11 +613,11 @@ def _chunk_backward(do, dht, q, k, v, g, beta, initial_state, gather, scatter, s
     return prepare_vjp(grads)
 
 
-def _config(q, scale, delta, interpret):
+def _config(q, g, scale, delta, interpret):
     if q.dtype == jnp.float64:
         raise NotImplementedError("pallas: float64 is not supported (TPUs have no float64)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _Config(scale=scale, delta=delta, interpret=interpret)
+    return _Config(scale=scale, delta=delta, interpret=interpret, per_channel=g is not None and g.ndim == 4)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -520,7 +627,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_
     ``g=None`` means no decay. ``cu_seqlens`` (B = 1) must be concrete (NumPy, a tuple or an
     unjitted array). Differentiable in q, k, v, g, beta and initial_state (``jax.grad``).
     """
-    cfg = _config(q, scale, True, interpret)
+    cfg = _config(q, g, scale, True, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_forward(q, k, v, g, beta, initial_state, *layout, cfg=cfg, l2norm=bool(use_qk_l2norm),
                           num_states=len(spans))
@@ -529,9 +636,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, cu_
 def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, cu_seqlens=None, *, interpret=None):
     """Simple gated linear attention (one log decay per head and step, or none) by the chunked
     Pallas kernels; arguments and results as :func:`chunk_gated_delta_rule` without beta."""
-    cfg = _config(q, scale, False, interpret)
+    cfg = _config(q, g, scale, False, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_forward(q, k, v, g, None, initial_state, *layout, cfg=cfg, l2norm=False, num_states=len(spans))
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False, *,
+              interpret=None):
+    """Kimi Delta Attention: :func:`chunk_gated_delta_rule` with a log decay per key channel, ``g
+    [B, T, HV, K]``, by the same chunked kernels (both directions)."""
+    if g.ndim != 4:
+        raise ValueError(f"g: expected a decay per key channel [B, T, HV, K], got shape {tuple(g.shape)}")
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+                                  interpret=interpret)
 
 
 def chunk_backward(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -539,7 +656,7 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu
     """``(dq, dk, dv, dg, dbeta, dh0)`` of the chunked op (``beta=None``: simple GLA) for output
     gradient ``do`` and final-state gradient ``dht`` (None: unused), by the backward kernels.
     Gradients of absent inputs are None."""
-    cfg = _config(q, scale, beta is not None, interpret)
+    cfg = _config(q, g, scale, beta is not None, interpret)
     spans, layout = _chunk_args(q, v, cu_seqlens)
     return _chunk_backward(do, dht, q, k, v, g, beta, initial_state, *layout, cfg=cfg,
                            l2norm=bool(use_qk_l2norm) and beta is not None, num_states=len(spans))

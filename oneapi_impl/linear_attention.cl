@@ -15,7 +15,7 @@
 //   K_MAX            a power of two >= K (sizes local and private arrays; K is a runtime value)
 //   VB               state columns per work-group, a power of two (V is a runtime value)
 //   PER_CHANNEL      1: g [rows, HV, K] holds a log decay per key channel (Kimi Delta Attention:
-//                    row c of S decays by exp(g_tc); the recurrent kernels only), 0: g [rows, HV]
+//                    row c of S decays by exp(g_tc)), 0: g [rows, HV]
 // g, beta, the states, do and every gradient are float32. Rows are tokens of the flat
 // [B * T] axis; sequence n spans rows cu[n] .. cu[n + 1] (the host passes B sequences of T
 // rows when there is no cu_seqlens). Head h reads q/k head h / (HV / H).
@@ -32,6 +32,8 @@ typedef CAT(TYPE_, V_KIND) v_t;
 
 #define CHUNK 64
 #define WG 64  // work-items of a chunk kernel's work-group: one per chunk row or state column
+#define GC (PER_CHANNEL ? K_MAX : 1)  // decay channels of a chunk row in local memory
+#define CH(c) (PER_CHANNEL ? (c) : 0)  // the decay channel of key channel c
 
 // Where a work-group is: its sequence's rows, its value head and q/k head, its state columns.
 typedef struct {
@@ -61,7 +63,10 @@ static int chunk_count(place_t p) {
 //   W = (I + diag(beta) Dkk)^-1 diag(beta) U,  U = V - diag(e) K S0,  Dkk = strict_lower(D * K K^T)
 //   O = scale (diag(e) Q S0 + M W),            M = lower(D * Q K^T)
 //   S_end = e_last S0 + (diag(r) K)^T W
-// (DELTA=0: W = V). Each decay is exp of a sum of the gates it spans, never of a difference of
+// (DELTA=0: W = V). With PER_CHANNEL, e, r and D carry a key channel c (e_tc = exp(g_1c + ... +
+// g_tc), ...) and the products take D inside their K-sums: Dkk_ts = sum_c K_tc K_sc D_tsc, and
+// diag(e) K S0 is (e * K) S0, e_last S0 is diag(e_last) S0 (one decay per state row).
+// Each decay is exp of a sum of the gates it spans, never of a difference of
 // cumulative sums: those cancel in float32 once gates are large (g = -1e4) and give
 // -inf - -inf = NaN for g = -inf (a full state reset). Each helper ends with a barrier, so its
 // results are visible to the group.
@@ -71,7 +76,8 @@ static void load_chunk(__global const qk_t *q, __global const qk_t *k, __global 
                        __global const float *g, __global const float *beta, place_t p, long c0, int n,
                        int H, int HV, int K, int V,
                        __local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX], __local float (*Vs)[VB],
-                       __local float *gate, __local float *e, __local float *r, __local float *bt) {
+                       __local float (*gate)[GC], __local float (*e)[GC], __local float (*r)[GC],
+                       __local float *bt) {
     const uint lid = get_local_id(0);
     for (uint i = lid; i < CHUNK * K_MAX; i += WG) {
         const uint t = i / K_MAX, c = i % K_MAX;
@@ -85,39 +91,46 @@ static void load_chunk(__global const qk_t *q, __global const qk_t *k, __global 
         const bool real = t < (uint)n && p.v0 + j < (uint)V;
         Vs[t][j] = real ? LOAD(V_KIND, v, ((c0 + t) * HV + p.head) * V + p.v0 + j) : 0.0f;
     }
-    for (uint t = lid; t < CHUNK; t += WG) {
-        const bool real = t < (uint)n;
-        gate[t] = real ? g[(c0 + t) * HV + p.head] : 0.0f;
-        bt[t] = real && DELTA ? beta[(c0 + t) * HV + p.head] : 0.0f;
+    for (uint i = lid; i < CHUNK * GC; i += WG) {
+        const uint t = i / GC, c = i % GC;
+        const long at = (c0 + t) * HV + p.head;
+        gate[t][c] = t < (uint)n && c < (uint)K ? g[PER_CHANNEL ? at * K + c : at] : 0.0f;
     }
+    for (uint t = lid; t < CHUNK; t += WG)
+        bt[t] = t < (uint)n && DELTA ? beta[(c0 + t) * HV + p.head] : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint t = lid; t < CHUNK; t += WG) {  // summed in row order, as the reference does
+    for (uint i = lid; i < CHUNK * GC; i += WG) {  // summed in row order, as the reference does
+        const uint t = i / GC, c = i % GC;
         float from_start = 0.0f, to_end = 0.0f;
-        for (uint u = 0; u <= t; ++u) from_start += gate[u];
-        for (uint u = t + 1; u < (uint)n; ++u) to_end += gate[u];
-        e[t] = t < (uint)n ? exp(from_start) : 0.0f;
-        r[t] = t < (uint)n ? exp(to_end) : 0.0f;
+        for (uint u = 0; u <= t; ++u) from_start += gate[u][c];
+        for (uint u = t + 1; u < (uint)n; ++u) to_end += gate[u][c];
+        e[t][c] = t < (uint)n ? exp(from_start) : 0.0f;
+        r[t][c] = t < (uint)n ? exp(to_end) : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
 // Dkk (DELTA) and, if M is given, M; zero outside their triangles and past row n. A work-item
-// owns column s and walks down it, so g_{s+1} + ... + g_t is one running sum.
-static void decay_products(__local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX], __local const float *gate,
-                           int n, int K, __local float (*Dkk)[CHUNK], __local float (*M)[CHUNK]) {
+// owns column s and walks down it, so g_{s+1} + ... + g_t is one running sum (per channel).
+static void decay_products(__local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX],
+                           __local float (*gate)[GC], int n, int K, __local float (*Dkk)[CHUNK],
+                           __local float (*M)[CHUNK]) {
     for (uint s = get_local_id(0); s < CHUNK; s += WG) {
-        float segment = 0.0f;
+        float segment[GC];
+        for (int c = 0; c < GC; ++c) segment[c] = 0.0f;
         for (uint t = 0; t < CHUNK; ++t) {
-            if (t > s) segment += gate[t];
+            if (t > s)
+                for (int c = 0; c < GC; ++c) segment[c] += gate[t][c];
             const bool lower = s <= t && t < (uint)n;
             float kk = 0.0f, qk = 0.0f;
             if (lower) {
                 for (int c = 0; c < K; ++c) {
-                    kk = fma(Ks[t][c], Ks[s][c], kk);
-                    if (M) qk = fma(Qs[t][c], Ks[s][c], qk);
+                    const float d = PER_CHANNEL ? exp(segment[c]) : 1.0f;  // D_tsc inside the sum
+                    kk = fma(d * Ks[t][c], Ks[s][c], kk);
+                    if (M) qk = fma(d * Qs[t][c], Ks[s][c], qk);
                 }
             }
-            const float decay = lower ? exp(segment) : 0.0f;
+            const float decay = lower ? (PER_CHANNEL ? 1.0f : exp(segment[0])) : 0.0f;
             if (DELTA) Dkk[t][s] = s < t ? decay * kk : 0.0f;
             if (M) M[t][s] = decay * qk;
         }
@@ -127,7 +140,7 @@ static void decay_products(__local float (*Qs)[K_MAX], __local float (*Ks)[K_MAX
 
 // The chunk's values W from U (holding V on entry, V - diag(e) K S0 on exit) by forward
 // substitution, one state column per work-item: W_t = beta_t (U_t - sum_{s<t} Dkk_ts W_s).
-static void solve_values(__local float (*S)[VB], __local float (*Ks)[K_MAX], __local const float *e,
+static void solve_values(__local float (*S)[VB], __local float (*Ks)[K_MAX], __local float (*e)[GC],
                          __local const float *bt, __local float (*Dkk)[CHUNK], int n, int K,
                          __local float (*U)[VB], __local float (*W)[VB]) {
     const uint lid = get_local_id(0);
@@ -135,8 +148,8 @@ static void solve_values(__local float (*S)[VB], __local float (*Ks)[K_MAX], __l
     for (uint i = lid; i < CHUNK * VB; i += WG) {
         const uint t = i / VB, j = i % VB;
         float ks = 0.0f;
-        for (int c = 0; c < K; ++c) ks = fma(Ks[t][c], S[c][j], ks);
-        U[t][j] -= e[t] * ks;
+        for (int c = 0; c < K; ++c) ks = fma(e[t][CH(c)] * Ks[t][c], S[c][j], ks);
+        U[t][j] -= ks;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint j = lid; j < VB; j += WG) {
@@ -155,14 +168,13 @@ static void solve_values(__local float (*S)[VB], __local float (*Ks)[K_MAX], __l
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
-// S = e_last S + (diag(r) K)^T W, one element per work-item.
-static void update_state(__local float (*S)[VB], __local float (*Ks)[K_MAX], __local const float *r,
-                         __local const float *e, __local float (*W)[VB], int n) {
-    const float last = e[n - 1];
+// S = e_last S + (diag(r) K)^T W (e_last, r per state row with PER_CHANNEL), one element per work-item.
+static void update_state(__local float (*S)[VB], __local float (*Ks)[K_MAX], __local float (*r)[GC],
+                         __local float (*e)[GC], __local float (*W)[VB], int n) {
     for (uint i = get_local_id(0); i < K_MAX * VB; i += WG) {
         const uint c = i / VB, j = i % VB;
-        float s = last * S[c][j];
-        for (int t = 0; t < n; ++t) s = fma(r[t] * Ks[t][c], W[t][j], s);
+        float s = e[n - 1][CH(c)] * S[c][j];
+        for (int t = 0; t < n; ++t) s = fma(r[t][CH(c)] * Ks[t][c], W[t][j], s);
         S[c][j] = s;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -198,7 +210,7 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
     __local float Qs[CHUNK][K_MAX], Ks[CHUNK][K_MAX];
     __local float U[CHUNK][VB], W[CHUNK][VB];
     __local float Dkk[CHUNK][CHUNK], M[CHUNK][CHUNK];
-    __local float gate[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK];
+    __local float gate[CHUNK][GC], e[CHUNK][GC], r[CHUNK][GC], bt[CHUNK];
 
     const place_t p = find_place(cu, H, HV, VB);
     const long state_base = ((long)p.seq * HV + p.head) * K * V;
@@ -212,9 +224,9 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
             const uint t = i / VB, j = i % VB;
             if (t >= (uint)n || p.v0 + j >= (uint)V) continue;
             float qs = 0.0f, mw = 0.0f;
-            for (int c = 0; c < K; ++c) qs = fma(Qs[t][c], S[c][j], qs);
+            for (int c = 0; c < K; ++c) qs = fma(e[t][CH(c)] * Qs[t][c], S[c][j], qs);
             for (uint s = 0; s <= t; ++s) mw = fma(M[t][s], W[s][j], mw);
-            STORE(V_KIND, o, ((c0 + t) * HV + p.head) * V + p.v0 + j, scale * fma(e[t], qs, mw));
+            STORE(V_KIND, o, ((c0 + t) * HV + p.head) * V + p.v0 + j, scale * (qs + mw));
         }
         barrier(CLK_LOCAL_MEM_FENCE);  // the outputs read S0 before it moves on
         update_state(S, Ks, r, e, W, n);
@@ -233,6 +245,24 @@ void chunk_forward(__global const qk_t *q, __global const qk_t *k, __global cons
 //   dS0  = scale (diag(e) Q)^T dO + e_last dS - (diag(e) K)^T dU
 //   dg_u from each decay whose sum holds g_u: e_t (t >= u), r_t (t < u), e_last, D_ts (s < u <= t),
 //        each term summed where it applies (not as differences of cumulative sums, which cancel).
+// PER_CHANNEL: P1 and P2 hold dO W^T and diag(beta) dA without D, which enters per channel c
+// where a work-item owning c sums dQ_tc = sum_s P1_ts D_tsc K_sc and the like, and dg_uc.
+
+// Row t's products with state row c over the block's columns: S0_c . dO_t, S0_c . beta_t R_t
+// (the row's dU) and dS_c . W_t.
+static void state_products(__local float (*S)[VB], __local float (*dS)[VB], __local float (*dO)[VB],
+                           __local float (*R)[VB], __local float (*W)[VB], float bt_t, uint c, uint t,
+                           float *s0_do, float *s0_du, float *ds_w) {
+    float a = 0.0f, b = 0.0f, d = 0.0f;
+    for (int j = 0; j < VB; ++j) {
+        a = fma(S[c][j], dO[t][j], a);
+        b = fma(S[c][j], bt_t * R[t][j], b);
+        d = fma(dS[c][j], W[t][j], d);
+    }
+    *s0_do = a;
+    *s0_du = b;
+    *ds_w = d;
+}
 
 // NDRange and groups as chunk_forward. Pass 1 reruns the forward to store each chunk's start
 // state in `checkpoints` [chunks, HV, K, V] (this sequence's chunks from chunk_first[seq]);
@@ -249,7 +279,7 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
     __local float Qs[CHUNK][K_MAX], Ks[CHUNK][K_MAX];
     __local float U[CHUNK][VB], W[CHUNK][VB], dO[CHUNK][VB], R[CHUNK][VB];
     __local float Dkk[CHUNK][CHUNK], M[CHUNK][CHUNK], P1[CHUNK][CHUNK], P2[CHUNK][CHUNK];
-    __local float gate[CHUNK], e[CHUNK], r[CHUNK], bt[CHUNK];
+    __local float gate[CHUNK][GC], e[CHUNK][GC], r[CHUNK][GC], bt[CHUNK];
     __local float d_start[CHUNK], d_end[CHUNK], d_cross[CHUNK];  // dg_u terms of e_t, r_t and D_ts
 
     const uint lid = get_local_id(0);
@@ -287,8 +317,8 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
             const uint s = x / VB, j = x % VB;
             float mdo = 0.0f, kds = 0.0f;
             for (int t = s; t < n; ++t) mdo = fma(M[t][s], dO[t][j], mdo);
-            for (int c = 0; c < K; ++c) kds = fma(Ks[s][c], dS[c][j], kds);
-            R[s][j] = fma(scale, mdo, r[s] * kds);
+            for (int c = 0; c < K; ++c) kds = fma(r[s][CH(c)] * Ks[s][c], dS[c][j], kds);
+            R[s][j] = fma(scale, mdo, kds);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 #if DELTA
@@ -303,17 +333,17 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 
-        // P1, P2; M and Dkk become their terms of dg and dbeta: dD_ts D_ts and dA_ts Dkk_ts.
-        // Column-owned as in decay_products, for the running sum g_{s+1} + ... + g_t.
+        // P1, P2; M and Dkk become their terms of dg and dbeta: dD_ts D_ts and dA_ts Dkk_ts (M only
+        // per head). Column-owned as in decay_products, for the running sum g_{s+1} + ... + g_t.
         for (uint s = lid; s < CHUNK; s += WG) {
             float segment = 0.0f;
             for (uint t = 0; t < CHUNK; ++t) {
-                if (t > s) segment += gate[t];
+                if (t > s && !PER_CHANNEL) segment += gate[t][0];
                 if (s > t || t >= (uint)n) {
                     P1[t][s] = P2[t][s] = 0.0f;
                     continue;
                 }
-                const float decay = exp(segment);
+                const float decay = PER_CHANNEL ? 1.0f : exp(segment);
                 float dow = 0.0f, rw = 0.0f;
                 for (int j = 0; j < VB; ++j) {
                     dow = fma(dO[t][j], W[s][j], dow);
@@ -325,7 +355,7 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
                 if (DELTA) {
                     const float da = s < t ? -rw : 0.0f;
                     P2[t][s] = bt[t] * da * decay;
-                    M[t][s] += bt[t] * da * Dkk[t][s];
+                    M[t][s] += bt[t] * da * Dkk[t][s];  // unused with PER_CHANNEL
                     Dkk[t][s] *= da;
                 } else {
                     P2[t][s] = 0.0f;
@@ -333,6 +363,67 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+#if DELTA
+        for (uint t = lid; t < (uint)n; t += WG) {
+            float dbeta_t = 0.0f;
+            for (int j = 0; j < VB; ++j) dbeta_t = fma(R[t][j], U[t][j], dbeta_t);
+            for (uint s = 0; s < t; ++s) dbeta_t += Dkk[t][s];
+            dbeta[(block_rows + c0 + t) * HV + p.head] = dbeta_t;
+        }
+#endif
+#if PER_CHANNEL
+        // one key channel c per work-item: dq, dk and dg of column c for every row of the chunk
+        for (uint c = lid; c < (uint)K; c += WG) {
+            float dq_c[CHUNK], dk_c[CHUNK], dg_c[CHUNK], start_c[CHUNK];
+            for (int t = 0; t < n; ++t) {
+                float s0_do, s0_du, ds_w;
+                state_products(S, dS, dO, R, W, bt[t], c, t, &s0_do, &s0_du, &ds_w);
+                dq_c[t] = scale * e[t][c] * s0_do;
+                dk_c[t] = r[t][c] * ds_w - e[t][c] * s0_du;
+                start_c[t] = e[t][c] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);  // e_tc's term
+                dg_c[t] = r[t][c] * Ks[t][c] * ds_w;  // r_tc's term, moved to u > t below
+            }
+            float last = 0.0f;  // the e_last term, which every gate of the chunk gets
+            for (int j = 0; j < VB; ++j) last = fma(S[c][j], dS[c][j], last);
+            last *= e[n - 1][c];
+            float earlier = 0.0f;  // r_t terms of t < u
+            for (int u = 0; u < n; ++u) {
+                const float end_u = dg_c[u];
+                dg_c[u] = earlier + last;
+                earlier += end_u;
+            }
+            float later = 0.0f;  // e_t terms of t >= u
+            for (int u = n - 1; u >= 0; --u) {
+                later += start_c[u];
+                dg_c[u] += later;
+            }
+            // D_tsc (s <= t) by a running sum down column s; its term of dg_uc for s < u <= t is
+            // summed over t >= u from the bottom up (start_c holds the column's terms)
+            for (int s = 0; s < n; ++s) {
+                float segment = 0.0f;
+                for (int t = s; t < n; ++t) {
+                    if (t > s) segment += gate[t][c];
+                    const float decay = exp(segment);
+                    const float p1 = P1[t][s] * decay, p2 = P2[t][s] * decay;
+                    dq_c[t] = fma(p1, Ks[s][c], dq_c[t]);
+                    dk_c[s] = fma(p1, Qs[t][c], fma(p2, Ks[t][c], dk_c[s]));
+                    dk_c[t] = fma(p2, Ks[s][c], dk_c[t]);
+                    start_c[t] = Ks[s][c] * fma(p1, Qs[t][c], p2 * Ks[t][c]);
+                }
+                float below = 0.0f;
+                for (int t = n - 1; t > s; --t) {
+                    below += start_c[t];
+                    dg_c[t] += below;
+                }
+            }
+            for (int t = 0; t < n; ++t) {
+                const long at = ((block_rows + c0 + t) * HV + p.head) * K + c;
+                dq[at] = dq_c[t];
+                dk[at] = dk_c[t];
+                dg[at] = dg_c[t];
+            }
+        }
+#else
         // M[u][s] becomes the sum over t >= u of column s (for u > s): D_ts with s < u <= t holds g_u
         for (uint s = lid; s < CHUNK; s += WG) {
             float below = 0.0f;
@@ -343,20 +434,16 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        // one row per work-item: dq, dk, dbeta and the row's terms of dg
+        // one row per work-item: dq, dk and the row's terms of dg
         for (uint t = lid; t < (uint)n; t += WG) {
             const long row = c0 + t;
             const long qk_at = ((block_rows + row) * HV + p.head) * K;
             float cross = 0.0f, start = 0.0f, end = 0.0f;
             for (uint s = 0; s < t; ++s) cross += M[t][s];
             for (int c = 0; c < K; ++c) {
-                float s0_do = 0.0f, s0_du = 0.0f, ds_w = 0.0f;
-                for (int j = 0; j < VB; ++j) {
-                    s0_do = fma(S[c][j], dO[t][j], s0_do);
-                    s0_du = fma(S[c][j], bt[t] * R[t][j], s0_du);
-                    ds_w = fma(dS[c][j], W[t][j], ds_w);
-                }
-                float dq_c = scale * e[t] * s0_do, dk_c = r[t] * ds_w - e[t] * s0_du;
+                float s0_do, s0_du, ds_w;
+                state_products(S, dS, dO, R, W, bt[t], c, t, &s0_do, &s0_du, &ds_w);
+                float dq_c = scale * e[t][0] * s0_do, dk_c = r[t][0] * ds_w - e[t][0] * s0_du;
                 for (uint s = 0; s < CHUNK; ++s) {
                     dq_c = fma(P1[t][s], Ks[s][c], dq_c);
                     dk_c = fma(P1[s][t], Qs[s][c], dk_c);
@@ -364,29 +451,24 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
                 }
                 dq[qk_at + c] = dq_c;
                 dk[qk_at + c] = dk_c;
-                start += e[t] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);
-                end += r[t] * Ks[t][c] * ds_w;
+                start += e[t][0] * (scale * Qs[t][c] * s0_do - Ks[t][c] * s0_du);
+                end += r[t][0] * Ks[t][c] * ds_w;
             }
             d_cross[t] = cross;
             d_start[t] = start;
             d_end[t] = end;
-#if DELTA
-            float dbeta_t = 0.0f;
-            for (int j = 0; j < VB; ++j) dbeta_t = fma(R[t][j], U[t][j], dbeta_t);
-            for (uint s = 0; s < t; ++s) dbeta_t += Dkk[t][s];
-            dbeta[(block_rows + row) * HV + p.head] = dbeta_t;
-#endif
         }
+#endif
         for (uint x = lid; x < CHUNK * VB; x += WG) {
             const uint t = x / VB, j = x % VB;
             if (t < (uint)n && p.v0 + j < (uint)V)
                 dv[((c0 + t) * HV + p.head) * V + p.v0 + j] = DELTA ? bt[t] * R[t][j] : R[t][j];
         }
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (lid == 0) {
+        if (lid == 0 && !PER_CHANNEL) {
             float last = 0.0f;  // the e_last term, which every gate of the chunk gets
             for (uint x = 0; x < K_MAX * VB; ++x) last = fma(S[x / VB][x % VB], dS[x / VB][x % VB], last);
-            last *= e[n - 1];
+            last *= e[n - 1][0];
             float later = 0.0f;  // e_t terms of t >= u
             for (int u = n - 1; u >= 0; --u) {
                 later += d_start[u];
@@ -400,13 +482,12 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
         }
         barrier(CLK_LOCAL_MEM_FENCE);  // everything above read dS
 
-        const float last = e[n - 1];
         for (uint x = lid; x < K_MAX * VB; x += WG) {
             const uint c = x / VB, j = x % VB;
-            float d = last * dS[c][j];
+            float d = e[n - 1][CH(c)] * dS[c][j];
             for (int t = 0; t < n; ++t) {
-                d = fma(scale * e[t] * Qs[t][c], dO[t][j], d);
-                if (DELTA) d = fma(-e[t] * Ks[t][c], bt[t] * R[t][j], d);
+                d = fma(scale * e[t][CH(c)] * Qs[t][c], dO[t][j], d);
+                if (DELTA) d = fma(-e[t][CH(c)] * Ks[t][c], bt[t] * R[t][j], d);
             }
             dS[c][j] = d;
         }

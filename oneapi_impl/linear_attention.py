@@ -1,9 +1,9 @@
-"""Gated DeltaNet and gated linear attention as SYCL kernels (``linear_attention.cl``); the
-recurrent kernels also take Kimi Delta Attention's decay per key channel (``g [B, T, HV, K]``).
+"""Gated DeltaNet and gated linear attention as SYCL kernels (``linear_attention.cl``); every
+kernel also takes Kimi Delta Attention's decay per key channel (``g [B, T, HV, K]``).
 
 Contract: ``torch_kernels.ops.linear_attention`` (the backend functions) and
 ``torch_kernels.reference.linear_attention`` (the math). Four kernels share one SPIR-V build per
-(q/k dtype, v dtype, delta rule or not, K bound, state block):
+(q/k dtype, v dtype, delta rule or not, K bound, state block, decay per key channel or per head):
 
 - ``chunk_forward``: a work-group per (sequence, value head, block of state columns) walks the
   sequence in chunks of 64 rows with its state block in local memory, using the WY form;
@@ -47,20 +47,23 @@ def _power_of_two_at_least(x: int, floor: int = 1) -> int:
     return p
 
 
-def _local_bytes(layout: Layout) -> int:
-    """The largest kernel's __local arrays (chunk_backward), as linear_attention.cl sizes them."""
+def _local_bytes(layout: Layout, per_channel: bool = False) -> int:
+    """The largest kernel's __local arrays (chunk_backward), as linear_attention.cl sizes them
+    (its gates, e and r per key channel with ``per_channel``)."""
     k, vb = layout.k_max, layout.v_block
-    floats = 2 * k * vb + 2 * CHUNK * k + 4 * CHUNK * vb + 4 * CHUNK * CHUNK + 7 * CHUNK
+    decay_channels = k if per_channel else 1
+    floats = 2 * k * vb + 2 * CHUNK * k + 4 * CHUNK * vb + 4 * CHUNK * CHUNK + 4 * CHUNK + 3 * CHUNK * decay_channels
     return 4 * floats
 
 
-def default_layout(k_dim: int, v_dim: int, local_bytes: int) -> Layout:
-    """The widest state block (up to 64 columns) whose chunk backward fits in local memory."""
+def default_layout(k_dim: int, v_dim: int, local_bytes: int, per_channel: bool = False) -> Layout:
+    """The widest state block (up to 64 columns) whose chunk backward fits in local memory (8
+    columns are the least: a decay per key channel at K = 128 takes 96 KiB of its 256)."""
     k_max = _power_of_two_at_least(k_dim, 16)
     v_block = min(64, _power_of_two_at_least(v_dim, 16))
-    while v_block >= 16:
+    while v_block >= 8:
         layout = Layout(k_max, v_block)
-        if _local_bytes(layout) <= local_bytes:
+        if _local_bytes(layout, per_channel) <= local_bytes:
             return layout
         v_block //= 2
     raise NotImplementedError(f"sycl: K={k_dim} does not fit the device's {local_bytes} bytes of local memory")
@@ -91,7 +94,7 @@ class _Problem:
     num_seqs: int
     layout: Layout
     macros: dict
-    per_channel: bool  # g [B, T, HV, K], a decay per key channel (the recurrent kernels only)
+    per_channel: bool  # g [B, T, HV, K], a decay per key channel
     inputs: list  # USM memories: q, k, v, g, beta, h0, cu
     chunk_first: torch.Tensor  # [N + 1] int32: each sequence's first chunk
 
@@ -117,8 +120,8 @@ def _problem(q, k, v, g, beta, initial_state, cu_seqlens) -> _Problem:
     num_seqs = offsets.shape[0] - 1
     chunks = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
     chunk_first = torch.cat([torch.zeros(1, dtype=torch.int32), chunks.cumsum(0).to(torch.int32)])
-    layout = default_layout(k_dim, v_dim, _runtime.local_memory_bytes())
     per_channel = g is not None and g.dim() == 4
+    layout = default_layout(k_dim, v_dim, _runtime.local_memory_bytes(), per_channel)
     macros = _macros(q.dtype, v.dtype, beta is not None, layout, per_channel)
     gates = (batch, length, value_heads)
     g = torch.zeros(gates) if g is None else g.float()
@@ -233,5 +236,6 @@ def spirv_binaries() -> list[bytes]:
     the delta rule with a per-channel decay in float32."""
     layout = default_layout(128, 128, 256 * 1024)
     builds = [_macros(dtype, dtype, delta, layout) for dtype in _KINDS for delta in (True, False)]
-    builds.append(_macros(torch.float32, torch.float32, True, layout, per_channel=True))
+    builds.append(_macros(torch.float32, torch.float32, True, default_layout(128, 128, 256 * 1024, True),
+                          per_channel=True))
     return [_runtime.spirv(SOURCE, macros) for macros in builds]

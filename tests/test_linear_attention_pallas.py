@@ -244,22 +244,26 @@ def test_traced_offsets_are_refused():
         jax.jit(lambda cu: kernels.chunk_simple_gla(x, x, x, None, 1.0, None, cu))(jnp.array([0, 4]))
 
 
-@pytest.mark.parametrize("form", ["delta", "gla"])
+@pytest.mark.parametrize("form", ["delta", "gla", "kda"])
 def test_lowers_for_tpu_forward_and_backward(form):
-    """Mosaic's TPU lowering on CPU: (8, 128) blocks, bf16 inputs, grouped heads, K=100 padded."""
+    """Mosaic's TPU lowering on CPU: (8, 128) blocks, bf16 inputs, grouped heads (one per q/k head
+    for KDA, whose decay per key channel is g [B, T, HV, K]), K=100 padded."""
     import jax
     import jax.numpy as jnp
 
     kernels = _kernels()
     b, t, h, hv, k_dim, v_dim = 2, 100, 1, (2 if form == "delta" else 1), 100, 64
     spec = jax.ShapeDtypeStruct
+    gates = (b, t, hv, k_dim) if form == "kda" else (b, t, hv)
     shapes = [spec((b, t, h, k_dim), jnp.bfloat16), spec((b, t, h, k_dim), jnp.bfloat16),
-              spec((b, t, hv, v_dim), jnp.bfloat16), spec((b, t, hv), jnp.float32),
+              spec((b, t, hv, v_dim), jnp.bfloat16), spec(gates, jnp.float32),
               spec((b, t, hv), jnp.float32), spec((b, hv, k_dim, v_dim), jnp.float32)]
 
     def forward(q, k, v, g, beta, h0):
         if form == "gla":
             return kernels.chunk_simple_gla(q, k, v, g, None, h0, interpret=False)
+        if form == "kda":
+            return kernels.chunk_kda(q, k, v, g, beta, None, h0, None, True, interpret=False)
         return kernels.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, None, True, interpret=False)
 
     def loss(*args):
@@ -305,21 +309,26 @@ with env:
                                              cu_seqlens=torch.tensor([0, 5]).to("jax"))
     with pytest.raises(NotImplementedError, match="torchax tensors run"):
         torch_kernels.chunk_simple_gla(jq, jk, jv, implementation="triton")
-    # Kimi Delta Attention's step form (g per key channel), against its float64 definition
+    # Kimi Delta Attention (g per key channel) against its float64 definition: the step form with
+    # gradients, the chunked form's forward (its gradients take the custom_vjp checked above for
+    # Gated DeltaNet, and test_linear_attention_kda checks their numbers)
     import test_linear_attention_kda as kda
     x = kda.make_inputs(length=20, heads=2, k_dim=8, v_dim=8, cu_seqlens=[0, 7, 20])
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    leaves = {n: x[n].to("jax").requires_grad_() for n in names}
-    o, ht = torch_kernels.fused_recurrent_kda(**{**x, **leaves, "cu_seqlens": x["cu_seqlens"].to("jax")},
-                                             output_final_state=True, implementation="pallas")
-    assert type(o).__module__.startswith("torchax"), type(o)
-    torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
     want_leaves = {n: x[n].double().requires_grad_() for n in names}
     want_o, want_ht = kda.definition({**x, **want_leaves})
     torch.autograd.backward([want_o, want_ht], [torch.ones_like(want_o), torch.ones_like(want_ht)])
-    for name, got, want in [("o", o.detach().to("cpu"), want_o), ("final_state", ht.detach().to("cpu"), want_ht),
-                            *((f"d{n}", leaves[n].grad.to("cpu"), want_leaves[n].grad) for n in names)]:
-        assert kda.relative_rmse(got, want) <= 1e-5, name
+    for op in ("fused_recurrent_kda", "chunk_kda"):
+        leaves = {n: x[n].to("jax").requires_grad_() for n in names}
+        o, ht = getattr(torch_kernels, op)(**{**x, **leaves, "cu_seqlens": x["cu_seqlens"].to("jax")},
+                                           output_final_state=True, implementation="pallas")
+        assert type(o).__module__.startswith("torchax"), type(o)
+        checks = [("o", o.detach().to("cpu"), want_o), ("final_state", ht.detach().to("cpu"), want_ht)]
+        if op == "fused_recurrent_kda":
+            torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+            checks += [(f"d{n}", leaves[n].grad.to("cpu"), want_leaves[n].grad) for n in names]
+        for name, got, want in checks:
+            assert kda.relative_rmse(got, want) <= 1e-5, f"{op} {name}"
 print("torchax ok")
 """
 

@@ -84,8 +84,9 @@ backends.register("fused_recurrent_gated_delta_rule_backward", "triton", "triton
 backends.register("fused_recurrent_gated_delta_rule_backward", "pallas",
                   "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
 backends.register("fused_recurrent_gated_delta_rule_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
-# Kimi Delta Attention: the reference's shared chunked and step-by-step forms, and the step-by-step
-# kernels of triton, pallas (a scan) and sycl (the chunked kernels take a per-head decay only so far)
+# Kimi Delta Attention: the reference's shared chunked and step-by-step forms, the step-by-step
+# kernels of triton, pallas (a scan) and sycl, and the chunked kernels of pallas and sycl (those of
+# the delta rule above, with a decay per key channel)
 for _op in PER_CHANNEL_OPS:
     backends.register(_op, "reference", _reference_forward(_op))
     backends.register(f"{_op}_backward", "reference", reference_backward)
@@ -96,6 +97,10 @@ backends.register("fused_recurrent_kda_backward", "pallas",
                   "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
 backends.register(RECURRENT_KDA, "sycl", "oneapi_impl.linear_attention:recurrent_forward")
 backends.register("fused_recurrent_kda_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
+backends.register(CHUNK_KDA, "sycl", "oneapi_impl.linear_attention:chunk_forward")
+backends.register("chunk_kda_backward", "sycl", "oneapi_impl.linear_attention:chunk_backward")
+backends.register(CHUNK_KDA, "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_forward")
+backends.register("chunk_kda_backward", "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_backward")
 del _op, _backward
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool,

@@ -1,7 +1,8 @@
 """The linear_attention family on the pallas backend: the chunked and recurrent forms.
 
-CPU torch tensors: ``pallas_chunk_forward``/``_backward`` (both chunked ops; ``beta=None`` is
-simple GLA) and ``pallas_recurrent_forward``/``_backward``, the kernels
+CPU torch tensors: ``pallas_chunk_forward``/``_backward`` (the chunked ops; ``beta=None`` is
+simple GLA, a ``g`` per key channel Kimi Delta Attention)
+and ``pallas_recurrent_forward``/``_backward``, the kernels
 ``torch_kernels.ops.linear_attention`` registers. Torchax tensors: :func:`torchax_implementations`.
 """
 
@@ -32,6 +33,8 @@ def pallas_chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use
     (q, k, v, g, beta, h0), cu = _arrays(q, k, v, g, beta, initial_state, cu_seqlens)
     if beta is None:
         o, ht = linear_attention.chunk_simple_gla(q, k, v, g, scale, h0, cu)
+    elif g is not None and g.ndim == 4:
+        o, ht = linear_attention.chunk_kda(q, k, v, g, beta, scale, h0, cu, use_qk_l2norm)
     else:
         o, ht = linear_attention.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, cu, use_qk_l2norm)
     return to_torch(o), to_torch(ht)
@@ -95,6 +98,7 @@ def torchax_implementations() -> dict:
         op.CHUNK_DELTA: implementation(op.chunk_gated_delta_rule_family, kernels.chunk_gated_delta_rule, recurrent),
         op.RECURRENT_DELTA: implementation(op.fused_recurrent_gated_delta_rule_family, recurrent, recurrent),
         op.CHUNK_GLA: implementation(op.chunk_simple_gla_family, kernels.chunk_simple_gla, gla_reference),
-        # Kimi Delta Attention's step form: the same scan with g per key channel
+        # Kimi Delta Attention: the same scan with g per key channel, and the chunked forward
         op.RECURRENT_KDA: implementation(op.fused_recurrent_kda_family, recurrent, recurrent),
+        op.CHUNK_KDA: implementation(op.chunk_kda_family, kernels.chunk_kda, recurrent),
     }
