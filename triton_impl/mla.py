@@ -136,7 +136,7 @@ def ragged_paged_mla_kernel(
                 row_max, row_sum, acc = _mla_tile(q_nope_rows, q_pe_rows, row_ok, q_pos, cache_ptr, entry, pos,
                                                   pos_ok, column, logit_scale, row_max, row_sum, acc, LR, R, RP,
                                                   L_CHUNK, OUT_CHUNK, DOT_F32)
-        else:  # one token: its list, deduplicated by the launcher, -1 and later positions masked
+        else:  # one token: its list, deduplicated by the op, -1 and later positions masked
             for first in range(0, TOPK, BLOCK_N):
                 listed = first + tl.arange(0, BLOCK_N)
                 pos = tl.load(topk_ptr + q_start.to(tl.int64) * TOPK + listed, mask=listed < TOPK, other=-1)
@@ -201,14 +201,6 @@ def default_config(num_tokens: int, num_seqs: int, num_heads: int, latent: int, 
                   out_chunk=min(64 if narrow_out else 128, latent_p))
 
 
-def _deduplicated(topk_indices: torch.Tensor) -> torch.Tensor:
-    """Each row sorted, a position listed twice kept once (the rest -1)."""
-    ordered = topk_indices.sort(dim=1).values
-    repeated = torch.zeros_like(ordered, dtype=torch.bool)
-    repeated[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-    return ordered.masked_fill(repeated, -1).contiguous()
-
-
 def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, scale,
                      config: Config | None = None):
     """The attention kernel on CUDA/XPU tensors, or interpreted on CPU tensors."""
@@ -223,7 +215,7 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     on_cpu = q_nope.device.type == "cpu"  # interpreted: float32 dots (it mishandles bfloat16)
     config = config or default_config(num_tokens, num_seqs, num_heads, latent, sparse, on_cpu, q_nope.dtype,
                                      arch_of(q_nope.device))
-    topk = _deduplicated(topk_indices) if sparse else cu_q_lens  # any int32 pointer when dense
+    topk = topk_indices if sparse else cu_q_lens  # any int32 pointer when dense
     grid = (num_tokens // config.block_q + num_seqs, triton.cdiv(num_heads, config.block_h),
             triton.cdiv(latent, config.out_chunk))
     kernel = for_device(ragged_paged_mla_kernel, q_nope.device)
