@@ -231,6 +231,90 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     return out, lse
 
 
+@triton.jit
+def _ordered(score):
+    """float32 scores as int64 keys in the same order (a NaN first made -inf, -0 made +0)."""
+    score = tl.where(score != score, float("-inf"), score)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def indexer_topk_kernel(
+    q_ptr, k_cache_ptr, weights_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr, scratch_ptr, out_ptr, num_seqs,
+    block_table_stride, block_stride, slot_stride, top_k,
+    HI: tl.constexpr, DI: tl.constexpr, HI_P: tl.constexpr, DI_P: tl.constexpr, TOPK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Token ``program_id(0)``'s ``top_k`` best visible positions; see ``indexer_topk``."""
+    token = tl.program_id(0)
+    seq = sequence_of(cu_q_lens_ptr, num_seqs, token, 1)  # one query block per token (the grid is T + S)
+    q_begin = tl.load(cu_q_lens_ptr + seq)
+    q_end = tl.load(cu_q_lens_ptr + seq + 1)
+    t = q_begin + (token - (q_begin + seq))
+    if t < q_end:
+        seen_end = tl.load(kv_lens_ptr + seq) - (q_end - t) + 1  # positions below it are visible
+        heads = tl.arange(0, HI_P)
+        dims = tl.arange(0, DI_P)
+        row = t.to(tl.int64) * HI + heads
+        q = tl.load(q_ptr + row[:, None] * DI + dims[None, :], mask=(heads[:, None] < HI) & (dims[None, :] < DI),
+                    other=0.0)
+        w = tl.load(weights_ptr + row, mask=heads < HI, other=0.0).to(tl.float32)
+        none = tl.full((TOPK_P,), -9223372036854775808, dtype=tl.int64)  # below every real key
+        best = none
+        scratch = scratch_ptr + t.to(tl.int64) * TOPK_P + tl.arange(0, TOPK_P)
+        for chunk in range(0, seen_end, TOPK_P):
+            # the chunk's keys, BLOCK_N positions at a time, through this token's scratch row
+            for first in tl.static_range(0, TOPK_P, BLOCK_N):
+                pos = chunk + first + tl.arange(0, BLOCK_N)
+                pos_ok = pos < seen_end
+                entry = _row_offsets(pos, pos_ok, seq, block_table_ptr, block_table_stride, block_stride, slot_stride,
+                                     BLOCK_SIZE)
+                k = tl.load(k_cache_ptr + entry[None, :] + dims[:, None], mask=pos_ok[None, :] & (dims[:, None] < DI),
+                            other=0.0)
+                if DOT_F32:
+                    dots = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+                else:
+                    dots = tl.dot(q, k, out_dtype=tl.float32)
+                score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+                # higher score first, then lower position: the position, reversed, in the low bits
+                key = (_ordered(score) << 32) | (2147483647 - pos).to(tl.int64)
+                tl.store(scratch_ptr + t.to(tl.int64) * TOPK_P + first + tl.arange(0, BLOCK_N),
+                         tl.where(pos_ok, key, -9223372036854775808))
+            tl.debug_barrier()
+            candidates = tl.load(scratch)
+            tl.debug_barrier()  # every thread has read the row before the next chunk writes it
+            merged = tl.sort(tl.reshape(tl.join(best, candidates), (2 * TOPK_P,)), descending=True)
+            best, _ = tl.split(tl.trans(tl.reshape(merged, (2, TOPK_P))))
+        column = tl.arange(0, TOPK_P)
+        chosen = tl.where(best == none, -1, 2147483647 - (best & 0xFFFFFFFF))
+        tl.store(out_ptr + t.to(tl.int64) * top_k + column, chosen.to(tl.int32), mask=column < top_k)
+
+
+def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int):
+    """The fused indexer and top-k on CUDA/XPU tensors, or interpreted on CPU tensors. A program
+    per token keeps its best ``top_k`` (position, score) keys sorted in registers and merges each
+    chunk of ``top_k`` (rounded up to a power of two) positions' keys into them: scores are never
+    kept past their chunk (a row of ``8 * top_k`` bytes per token holds a chunk's keys while the
+    program assembles it ``BLOCK_N`` positions at a time)."""
+    num_tokens, num_heads, head_size = q.shape
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=q.device)
+    if num_tokens == 0:
+        return out
+    topk_p = max(16, triton.next_power_of_2(top_k))
+    scratch = torch.empty(num_tokens, topk_p, dtype=torch.int64, device=q.device)
+    kernel = for_device(indexer_topk_kernel, q.device)
+    kernel[(num_tokens + kv_lens.shape[0],)](
+        q, k_cache, weights, cu_q_lens, kv_lens, block_table, scratch, out, kv_lens.shape[0],
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), top_k,
+        HI=num_heads, DI=head_size, HI_P=max(16, triton.next_power_of_2(num_heads)),
+        DI_P=max(16, triton.next_power_of_2(head_size)), TOPK_P=topk_p, BLOCK_N=min(topk_p, 64),
+        BLOCK_SIZE=k_cache.shape[1], DOT_F32=q.device.type == "cpu" or q.dtype == torch.float32,
+    )
+    return out
+
+
 def write_compile_target(new_dtype: torch.dtype, cache_dtype: torch.dtype, latent: int = 512, rope: int = 64,
                          block_size: int = 64):
     """(signature, constexprs) to build the write kernel ahead of time."""
