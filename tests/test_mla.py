@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torch_kernels
+from torch_kernels import backends
 from harness import assert_close, backend_params, compiled_fullgraph, require_backend, run_isolated, run_opcheck
 from torch_kernels.ops import mla as ops
 from torch_kernels.selftest import TOLERANCES
@@ -309,27 +310,36 @@ def _best_positions(batch, keys, q, weights, top_k):
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def _index(batch, k_cache, q, weights, top_k):
+def _index(batch, k_cache, q, weights, top_k, backend=None):
     return torch_kernels.indexer_topk(q, k_cache, weights, batch.cu_q_lens, batch.kv_len_tensor, batch.block_table,
-                                      top_k)
+                                      top_k, implementation=backend)
 
 
-@pytest.mark.parametrize("top_k", [1, 7, 40])
-def test_indexer_topk_ranks_the_visible_positions(top_k):
+# the interpreted kernels are slow: one case each, top_k 7 (three 16-position chunks merged for
+# the longest sequence, -1 padding for the first queries of the prompts)
+_INDEXER_CASES = [*(pytest.param("reference", k, id=f"reference-{k}") for k in (1, 7, 40)),
+                  *(pytest.param(b, 7, id=f"{b}-7") for b in backends.implementations(ops.INDEXER_OP)
+                    if b != "reference")]
+
+
+@pytest.mark.parametrize("backend,top_k", _INDEXER_CASES)
+def test_indexer_topk_ranks_the_visible_positions(backend, top_k):
     batch, keys, k_cache, q, weights = _indexer_batch()
-    got = _index(batch, k_cache, q, weights, top_k)  # 40: more than any query sees, -1 padded
+    got = _index(batch, k_cache, q, weights, top_k, backend)  # 40: more than any query sees, -1 padded
     assert got.dtype == torch.int32 and torch.equal(got, _best_positions(batch, keys, q, weights, top_k))
 
 
-def test_indexer_topk_breaks_ties_by_position_and_ranks_nan_last():
+@pytest.mark.parametrize("backend", backend_params(ops.INDEXER_OP))
+def test_indexer_topk_breaks_ties_by_position_and_ranks_nan_last(backend):
     batch, keys, k_cache, q, weights = _indexer_batch(seed=7)
-    tied = _index(batch, k_cache, q, torch.zeros_like(weights), 4)  # every score 0
+    tied = _index(batch, k_cache, q, torch.zeros_like(weights), 4, backend)  # every score 0
     expected = _best_positions(batch, keys, q, torch.zeros_like(weights), 4)
     assert torch.equal(tied, expected) and tied[0].tolist() == [0, 1, 2, 3]
     k_cache[batch.block_table[0, 0], 2] = float("nan")  # position 2 of the first sequence
-    got = _index(batch, k_cache, q, weights.abs(), 60)
+    got = _index(batch, k_cache, q, weights.abs(), batch.kv_lens[0] + 3, backend)  # every position, then -1s
     first = got[0][got[0] >= 0]
     assert first[-1] == 2 and sorted(first.tolist()) == list(range(batch.kv_lens[0]))
+    assert (got[0][batch.kv_lens[0]:] == -1).all()
 
 
 def test_indexer_selection_feeds_sparse_attention():

@@ -277,7 +277,8 @@ def indexer_topk_kernel(
                     dots = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
                 else:
                     dots = tl.dot(q, k, out_dtype=tl.float32)
-                score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+                # relu keeping NaN (then ranked as -inf, as the reference ranks it)
+                score = tl.sum(tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None], axis=0)
                 # higher score first, then lower position: the position, reversed, in the low bits
                 key = (_ordered(score) << 32) | (2147483647 - pos).to(tl.int64)
                 tl.store(scratch_ptr + t.to(tl.int64) * TOPK_P + first + tl.arange(0, BLOCK_N),
