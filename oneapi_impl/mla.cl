@@ -5,9 +5,11 @@
 //   Q_KIND      queries and output: 0 float32, 1 float16, 2 bfloat16
 //   CACHE_KIND  the latent cache: 0-2 as Q_KIND, 3 int8, 4 float8_e4m3fn, 5 float8_e5m2
 //   LR, R       latent and RoPE widths; a cache row is [c (LR), k_pe (R)]
-// Kinds and loads come from dtypes.cl.
+// (the attention; the indexer, below, takes its own). Kinds and loads come from dtypes.cl.
 
 typedef CAT(TYPE_, Q_KIND) q_t;
+
+#ifdef LR
 typedef CAT(TYPE_, CACHE_KIND) cache_t;
 
 #define W (LR + R)
@@ -174,3 +176,99 @@ void ragged_paged_mla(__global const q_t *q_nope, __global const q_t *q_pe, __gl
         if (lid == 0) lse[row] = sum == 0.0f ? -INFINITY : row_max[r] + log(sum);
     }
 }
+#endif
+
+// ---- the indexer ---------------------------------------------------------------------------
+
+// DeepSeek-V3.2's lightning indexer fused with its top-k (torch_kernels.reference.mla.indexer_topk).
+// Build-time macros: Q_KIND (q and k_cache), HI, DI (indexer heads and head size), TOPK_P (the
+// kept keys: top_k rounded up to a power of two).
+// A work-group per token (NDRange (T * WG_I), work-groups WG_I): its queries and weights staged
+// in local memory, it scores TOPK_P positions at a time (a work-item per position) as int64 keys,
+// score bits made monotone in the high half and the position reversed in the low half (higher
+// score first, then lower position), and merges them into its best keys: the candidates sorted
+// ascending against the best sorted descending, the larger of each pair are the best of both,
+// sorted again. Bitonic sorts in local memory; the scores are never written out.
+#ifdef TOPK_P
+#define WG_I 64
+#define NONE ((long)0x8000000000000000UL)  // below every real key
+
+static void bitonic_sort(__local long *keys, bool descending) {
+    for (uint k = 2; k <= TOPK_P; k <<= 1) {
+        for (uint j = k >> 1; j > 0; j >>= 1) {
+            for (uint i = get_local_id(0); i < TOPK_P; i += WG_I) {
+                const uint other = i ^ j;
+                if (other > i) {
+                    const long a = keys[i], b = keys[other];
+                    const bool first_desc = ((i & k) == 0) == descending;  // this pair's direction
+                    if (first_desc ? a < b : a > b) {
+                        keys[i] = b;
+                        keys[other] = a;
+                    }
+                }
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+    }
+}
+
+static long score_key(float score, int pos) {
+    if (isnan(score)) score = -INFINITY;  // NaN ranks as -inf, as in the reference
+    if (score == 0.0f) score = 0.0f;  // -0 ties +0
+    const int bits = as_int(score);
+    const int ordered = bits >= 0 ? bits : bits ^ 0x7fffffff;
+    return ((long)ordered << 32) | (long)(0x7fffffff - pos);
+}
+
+__kernel __attribute__((reqd_work_group_size(WG_I, 1, 1)))
+void indexer_topk(__global const q_t *q, __global const q_t *k_cache, __global const float *weights,
+                  __global const int *cu_q_lens, __global const int *kv_lens, __global const int *block_table,
+                  __global int *out, int num_seqs, int block_size, int max_blocks, int top_k,
+                  long cache_base, long block_stride, long slot_stride) {
+    __local float qs[HI][DI];
+    __local float ws[HI];
+    __local long best[TOPK_P], candidates[TOPK_P];
+    const uint lid = get_local_id(0);
+    const int t = get_group_id(0);
+    int lo = 0, hi = num_seqs - 1;  // the last sequence starting at or before t: the one holding it
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (cu_q_lens[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const int seen_end = kv_lens[seq] - (cu_q_lens[seq + 1] - t) + 1;  // positions below it are visible
+    for (uint i = lid; i < HI * DI; i += WG_I) {
+        const uint h = i / DI, d = i - h * DI;
+        qs[h][d] = LOAD(Q_KIND, q, ((long)t * HI + h) * DI + d);
+    }
+    for (uint h = lid; h < HI; h += WG_I) ws[h] = weights[(long)t * HI + h];
+    for (uint i = lid; i < TOPK_P; i += WG_I) best[i] = NONE;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int chunk = 0; chunk < seen_end; chunk += TOPK_P) {
+        for (uint i = lid; i < TOPK_P; i += WG_I) {
+            const int pos = chunk + (int)i;
+            long key = NONE;
+            if (pos < seen_end) {
+                const uint page = (uint)pos / (uint)block_size, offset = (uint)pos - page * (uint)block_size;
+                const long row = cache_base + (long)block_table[(long)seq * max_blocks + page] * block_stride
+                                 + (long)offset * slot_stride;
+                float score = 0.0f;
+                for (int h = 0; h < HI; ++h) {
+                    float dot = 0.0f;
+                    for (int d = 0; d < DI; ++d) dot = fma(qs[h][d], LOAD(Q_KIND, k_cache, row + d), dot);
+                    score += ws[h] * (isnan(dot) ? dot : fmax(dot, 0.0f));  // relu keeping NaN
+                }
+                key = score_key(score, pos);
+            }
+            candidates[i] = key;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        bitonic_sort(candidates, false);
+        for (uint i = lid; i < TOPK_P; i += WG_I) best[i] = max(best[i], candidates[i]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        bitonic_sort(best, true);
+    }
+    for (uint i = lid; i < (uint)top_k; i += WG_I)
+        out[(long)t * top_k + i] = best[i] == NONE ? -1 : 0x7fffffff - (int)(best[i] & 0xffffffffL);
+}
+#endif

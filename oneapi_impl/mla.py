@@ -77,6 +77,30 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     return out, lse
 
 
+INDEXER_WORK_GROUP = 64  # WG_I of mla.cl
+
+
+def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int):
+    """Contract: ``torch_kernels.reference.mla.indexer_topk``."""
+    _runtime.require_supported(q, k_cache, weights, cu_q_lens, kv_lens, block_table)
+    num_tokens, num_heads, head_size = q.shape
+    topk_p = max(16, 1 << (top_k - 1).bit_length())
+    if 4 * num_heads * (head_size + 1) + 16 * topk_p > _runtime.local_memory_bytes():
+        raise NotImplementedError(f"sycl: {num_heads} x {head_size} queries and top_k {top_k} do not fit the device's "
+                                  "local memory")
+    out_mem, out = _runtime.usm_empty((num_tokens, top_k), torch.int32)
+    if num_tokens == 0:
+        return out
+    cache = device_caches(k_cache, k_cache)[0]
+    inputs = [_runtime.usm_copy(t)[0] for t in (q, weights.float(), cu_q_lens, kv_lens, block_table)]
+    args = [inputs[0], cache.memory, *inputs[1:], out_mem, ctypes.c_int(kv_lens.shape[0]),
+            ctypes.c_int(k_cache.shape[1]), ctypes.c_int(block_table.shape[1]), ctypes.c_int(top_k),
+            *cache.layout_args()[:3]]
+    kernel = _runtime.kernel(SOURCE, "indexer_topk", Q_KIND=KINDS[q.dtype], HI=num_heads, DI=head_size, TOPK_P=topk_p)
+    _runtime.host_queue().submit(kernel, args, [num_tokens * INDEXER_WORK_GROUP], [INDEXER_WORK_GROUP]).wait()
+    return out
+
+
 def spirv_binaries() -> list[bytes]:
     """The SPIR-V modules of the attention at DeepSeek-V3's widths (Lr 512, R 64) for each query
     dtype over its own cache dtype and float8_e4m3fn (built, cached)."""

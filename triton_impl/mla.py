@@ -286,8 +286,9 @@ def indexer_topk_kernel(
             tl.debug_barrier()
             candidates = tl.load(scratch)
             tl.debug_barrier()  # every thread has read the row before the next chunk writes it
-            merged = tl.sort(tl.reshape(tl.join(best, candidates), (2 * TOPK_P,)), descending=True)
-            best, _ = tl.split(tl.trans(tl.reshape(merged, (2, TOPK_P))))
+            # best sorted descending against the candidates ascending: the larger of each pair are
+            # the best TOPK_P of both (the first step of a bitonic merge), sorted again
+            best = tl.sort(tl.maximum(best, tl.sort(candidates)), descending=True)
         column = tl.arange(0, TOPK_P)
         chosen = tl.where(best == none, -1, 2147483647 - (best & 0xFFFFFFFF))
         tl.store(out_ptr + t.to(tl.int64) * top_k + column, chosen.to(tl.int32), mask=column < top_k)
@@ -303,17 +304,27 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
     out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=q.device)
     if num_tokens == 0:
         return out
-    topk_p = max(16, triton.next_power_of_2(top_k))
-    scratch = torch.empty(num_tokens, topk_p, dtype=torch.int64, device=q.device)
+    constexprs, num_warps = indexer_constexprs(num_heads, head_size, top_k, k_cache.shape[1],
+                                               q.device.type == "cpu" or q.dtype == torch.float32)
+    scratch = torch.empty(num_tokens, constexprs["TOPK_P"], dtype=torch.int64, device=q.device)
     kernel = for_device(indexer_topk_kernel, q.device)
     kernel[(num_tokens + kv_lens.shape[0],)](
         q, k_cache, weights, cu_q_lens, kv_lens, block_table, scratch, out, kv_lens.shape[0],
-        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), top_k,
-        HI=num_heads, DI=head_size, HI_P=max(16, triton.next_power_of_2(num_heads)),
-        DI_P=max(16, triton.next_power_of_2(head_size)), TOPK_P=topk_p, BLOCK_N=min(topk_p, 64),
-        BLOCK_SIZE=k_cache.shape[1], DOT_F32=q.device.type == "cpu" or q.dtype == torch.float32,
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), top_k, **constexprs, num_warps=num_warps,
     )
     return out
+
+
+def indexer_constexprs(num_heads: int, head_size: int, top_k: int, block_size: int, dot_f32: bool):
+    """(constexprs, num_warps) of an indexer launch: heads and head size padded to powers of two
+    of at least 16 (tl.dot's least), the kept keys to one of ``top_k``, 64 positions scored a
+    step, and warps enough that the sorted ``2 * TOPK_P`` keys stay in registers (16 at
+    DeepSeek-V3.2's top 2048)."""
+    topk_p = max(16, triton.next_power_of_2(top_k))
+    constexprs = {"HI": num_heads, "DI": head_size, "HI_P": max(16, triton.next_power_of_2(num_heads)),
+                  "DI_P": max(16, triton.next_power_of_2(head_size)), "TOPK_P": topk_p,
+                  "BLOCK_N": min(topk_p, 64), "BLOCK_SIZE": block_size, "DOT_F32": dot_f32}
+    return constexprs, 4 if topk_p <= 256 else 8
 
 
 def write_compile_target(new_dtype: torch.dtype, cache_dtype: torch.dtype, latent: int = 512, rope: int = 64,
@@ -348,6 +359,19 @@ def compile_target(query_dtype: torch.dtype, cache_dtype: torch.dtype, decode: b
     return signature, constexprs, config
 
 
+def indexer_compile_target(dtype: torch.dtype, num_heads: int = 64, head_size: int = 128, top_k: int = 2048,
+                           block_size: int = 64):
+    """(signature, constexprs, num_warps) to build the indexer ahead of time (DeepSeek-V3.2's
+    sizes by default: 64 indexer heads of 128, top 2048)."""
+    constexprs, num_warps = indexer_constexprs(num_heads, head_size, top_k, block_size, dtype == torch.float32)
+    q = "*" + TRITON_TYPES[dtype]
+    signature = {"q_ptr": q, "k_cache_ptr": q, "weights_ptr": "*fp32", "cu_q_lens_ptr": "*i32", "kv_lens_ptr": "*i32",
+                 "block_table_ptr": "*i32", "scratch_ptr": "*i64", "out_ptr": "*i32", "num_seqs": "i32",
+                 "block_table_stride": "i32", "block_stride": "i32", "slot_stride": "i32", "top_k": "i32",
+                 **{name: "constexpr" for name in constexprs}}
+    return signature, constexprs, num_warps
+
+
 _WRITE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)]
 _ATTENTION_CASES = [  # (query dtype, cache dtype, decode, sparse)
     (torch.bfloat16, torch.bfloat16, True, False),
@@ -361,7 +385,8 @@ _ATTENTION_CASES = [  # (query dtype, cache dtype, decode, sparse)
 def compile_groups(everything: bool) -> dict:
     """The compile report's builds of this family at DeepSeek-V3's sizes (128 heads, Lr 512, R 64,
     64-slot pages, top-k 2048): attention in bfloat16 for decode, prefill and sparse calls, from a
-    float8_e4m3fn cache and in float32; the write from bfloat16 to a bfloat16 and a float8_e4m3fn
+    float8_e4m3fn cache and in float32; the indexer in bfloat16 (DeepSeek-V3.2: 64 heads of 128)
+    at top 2048 and 64; the write from bfloat16 to a bfloat16 and a float8_e4m3fn
     cache (float16 compiles as bfloat16 does; ``everything`` adds its write and float32's)."""
     from . import dtype_name
 
@@ -376,6 +401,11 @@ def compile_groups(everything: bool) -> dict:
                                     f"cache, {kind}, H=128 Lr=512", kernel=ragged_paged_mla_kernel,
                               signature=signature, constexprs=constexprs, num_warps=config.num_warps,
                               num_stages=None))
+        for dtype, top_k in ((torch.bfloat16, 2048), (torch.bfloat16, 64)):
+            signature, constexprs, num_warps = indexer_compile_target(dtype, top_k=top_k)
+            found.append(dict(label=f"indexer_topk {dtype_name(dtype)} Hi=64 Di=128 top_k={top_k}",
+                              kernel=indexer_topk_kernel, signature=signature, constexprs=constexprs,
+                              num_warps=num_warps, num_stages=None))
         for new_dtype, cache_dtype in writes:
             signature, constexprs = write_compile_target(new_dtype, cache_dtype)
             found.append(dict(label=f"mla_reshape_and_cache {dtype_name(new_dtype)} -> {dtype_name(cache_dtype)} "

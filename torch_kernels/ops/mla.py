@@ -36,6 +36,7 @@ backends.register(OP, "pallas", "torch_kernels.pallas.mla:pallas_ragged_paged_ml
 backends.register(OP, "sycl", "oneapi_impl.mla:ragged_paged_mla")
 backends.register(INDEXER_OP, "reference", reference.indexer_topk)
 backends.register(INDEXER_OP, "triton", "triton_impl.mla:indexer_topk")
+backends.register(INDEXER_OP, "sycl", "oneapi_impl.mla:indexer_topk")
 
 CACHE_DTYPES = paged.reference.QUANTIZED_DTYPES  # besides the inputs' own dtype
 
