@@ -226,3 +226,99 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     )(item_seq, item_q0, item_count, cu, lens, table, scale, head_major(q_nope), head_major(q_pe), kv_cache)
     return (out[:, token_row].transpose(1, 0, 2).astype(out_dtype),
             lse[:, token_row, 0].transpose(1, 0))
+
+
+def _indexer_kernel(token_seq_ref, cu_ref, kv_lens_ref, table_ref, q_ref, w_ref, k_cache_ref, o_ref, buf, sem, *,
+                    kv_pages, block_size, max_pages, num_blocks, dot_dtype):
+    t = pl.program_id(0)
+    s = token_seq_ref[t]
+    seen_end = kv_lens_ref[s] - cu_ref[s + 1] + t + 1  # positions below it are visible
+    kv_tile = kv_pages * block_size
+    pages_needed = jax.lax.div(seen_end + block_size - 1, jnp.int32(block_size))
+    q = q_ref[0].astype(dot_dtype)  # [Hi, Di]
+    w = w_ref[0]  # [Hi, 1] float32
+    o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
+
+    def body(tile, carry):
+        def page_copy(p, action):
+            page = tile * kv_pages + p
+
+            @pl.when(page < pages_needed)
+            def _():
+                block = jnp.clip(table_ref[s * max_pages + jnp.minimum(page, max_pages - 1)], 0, num_blocks - 1)
+                copy = pltpu.make_async_copy(k_cache_ref.at[block], buf.at[p], sem.at[0])
+                copy.start() if action == "start" else copy.wait()
+
+        for action in ("start", "wait"):
+            jax.lax.fori_loop(jnp.int32(0), jnp.int32(kv_pages), lambda p, c: (page_copy(p, action), c)[1], 0)
+        start = tile * kv_tile
+        position = start + jax.lax.broadcasted_iota(jnp.int32, (kv_tile, 1), 0)
+        keys = jnp.where(position < seen_end, buf[...].reshape(kv_tile, -1).astype(jnp.float32), 0.0)
+        dots = jax.lax.dot_general(q, keys.astype(dot_dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)  # [Hi, kv_tile]
+        scores = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)  # relu keeps NaN
+        visible = start + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tile), 1) < seen_end
+        o_ref[0, :, pl.ds(start, kv_tile)] = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
+        return carry
+
+    jax.lax.fori_loop(jnp.int32(0), jax.lax.div(seen_end + kv_tile - 1, jnp.int32(kv_tile)), body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def indexer_scores(q, k_cache, weights, cu_q_lens, kv_lens, block_table, *, interpret=None):
+    """Each token's lightning-indexer scores, float32 ``[T, positions]`` (positions: the block
+    table's reach, rounded up to whole tiles): ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` for
+    the positions it sees, ``-inf`` for the others and for NaN scores. A grid step per token
+    copies the pages it sees into VMEM ``kv_pages`` at a time."""
+    num_tokens, num_heads, head_size = q.shape
+    num_blocks, block_size, _ = k_cache.shape
+    num_seqs, max_pages = block_table.shape
+    kv_pages = max(1, min(max(1, max_pages), KV_TILE // block_size))
+    width = round_up(max(1, max_pages) * block_size, kv_pages * block_size)
+    cu, lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    token_seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(num_tokens), side="right"),
+                            num_seqs - 1).astype(jnp.int32)
+    table = jnp.pad(block_table.astype(jnp.int32).reshape(-1), (0, 1 if max_pages == 0 else 0))
+    compute_dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype  # as the attention computes it
+    return pl.pallas_call(
+        functools.partial(_indexer_kernel, kv_pages=kv_pages, block_size=block_size, max_pages=max(1, max_pages),
+                          num_blocks=num_blocks,
+                          dot_dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(num_tokens,),
+            in_specs=[pl.BlockSpec((1, num_heads, head_size), lambda t, *_: (t, 0, 0)),
+                      pl.BlockSpec((1, num_heads, 1), lambda t, *_: (t, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((1, 1, width), lambda t, *_: (t, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((kv_pages, block_size, head_size), k_cache.dtype),
+                            pltpu.SemaphoreType.DMA((1,))]),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, 1, width), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret_params(interpret),
+    )(token_seq, cu, lens, table, q.astype(compute_dtype), weights.astype(jnp.float32)[..., None],
+      k_cache)[:, 0]
+
+
+def _seen_end(cu_q_lens, kv_lens, num_tokens):
+    """Per token, one past the last position it sees."""
+    cu, lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), lens.shape[0] - 1)
+    return lens[seq] - cu[seq + 1] + t + 1
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _select(scores, cu_q_lens, kv_lens, top_k: int):
+    padded = jnp.pad(scores, ((0, 0), (0, max(0, top_k - scores.shape[1]))), constant_values=-jnp.inf)
+    _, order = jax.lax.top_k(padded, top_k)
+    # the visible positions are 0 .. seen_end - 1 and unseen ones score -inf, so every visible
+    # position (a NaN's -inf included) precedes them: what is left past them is -1
+    return jnp.where(order < _seen_end(cu_q_lens, kv_lens, scores.shape[0])[:, None], order, -1).astype(jnp.int32)
+
+
+def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int, *, interpret=None):
+    """DeepSeek-V3.2's lightning indexer and its top-k: int32 ``[T, top_k]``, each token's best
+    visible positions by :func:`indexer_scores`, best first, equal scores lower position first
+    (``lax.top_k``'s order), NaN as -inf, then -1. The scores are written out (``[T, positions]``
+    float32): TPUs have no sort inside a kernel to keep a running top-k with."""
+    scores = indexer_scores(q, k_cache, weights, cu_q_lens, kv_lens, block_table, interpret=interpret)
+    return _select(scores, cu_q_lens, kv_lens, top_k)  # apart: a new top_k does not rebuild the kernel

@@ -37,6 +37,7 @@ backends.register(OP, "sycl", "oneapi_impl.mla:ragged_paged_mla")
 backends.register(INDEXER_OP, "reference", reference.indexer_topk)
 backends.register(INDEXER_OP, "triton", "triton_impl.mla:indexer_topk")
 backends.register(INDEXER_OP, "sycl", "oneapi_impl.mla:indexer_topk")
+backends.register(INDEXER_OP, "pallas", "torch_kernels.pallas.mla:pallas_indexer_topk")
 
 CACHE_DTYPES = paged.reference.QUANTIZED_DTYPES  # besides the inputs' own dtype
 

@@ -35,6 +35,14 @@ def pallas_ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_ta
     return to_torch(out), to_torch(lse)
 
 
+def pallas_indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k):
+    """Contract: ``torch_kernels.reference.mla.indexer_topk``."""
+    check_cpu(q, k_cache)
+    from jax_impl import mla
+
+    return to_torch(mla.indexer_topk(*map(to_jax, (q, k_cache, weights, cu_q_lens, kv_lens, block_table)), top_k))
+
+
 def torchax_implementations() -> dict:
     """mla_reshape_and_cache on torchax tensors, by op name: the paged write on the latent cache
     as one kv head; the cache's torchax tensor is pointed at the updated array (JAX arrays are
