@@ -68,6 +68,25 @@ def _start_softmax(m_ref, l_ref, acc_ref):
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
 
+def _copy_pages(tile, pages_needed, seq, table_ref, cache_ref, buf, sem, max_pages: int, num_blocks: int):
+    """Copy tile ``tile``'s pages (``buf.shape[0]`` of them) of sequence ``seq`` from HBM into
+    ``buf``, every copy in flight at once, and wait for them. Pages from ``pages_needed`` on are
+    never copied: their table entries may be anything (the clamps keep any input in bounds)."""
+    kv_pages = buf.shape[0]
+
+    def page_copy(p, action):
+        page = tile * kv_pages + p
+
+        @pl.when(page < pages_needed)
+        def _():
+            block = jnp.clip(table_ref[seq * max_pages + jnp.minimum(page, max_pages - 1)], 0, num_blocks - 1)
+            copy = pltpu.make_async_copy(cache_ref.at[block], buf.at[p], sem.at[0])
+            copy.start() if action == "start" else copy.wait()
+
+    for action in ("start", "wait"):
+        jax.lax.fori_loop(jnp.int32(0), jnp.int32(kv_pages), lambda p, c: (page_copy(p, action), c)[1], 0)
+
+
 def _dense_kernel(item_seq_ref, item_q0_ref, item_count_ref, cu_ref, kv_lens_ref, table_ref, scale_ref, q_nope_ref,
                   q_pe_ref, cache_ref, o_ref, lse_ref, buf, sem, m_ref, l_ref, acc_ref, *, num_heads, q_block,
                   kv_pages, block_size, max_pages, num_blocks, latent, sm_scale, dot_dtype):
@@ -86,18 +105,7 @@ def _dense_kernel(item_seq_ref, item_q0_ref, item_count_ref, cu_ref, kv_lens_ref
     _start_softmax(m_ref, l_ref, acc_ref)
 
     def body(tile, carry):
-        def page_copy(p, action):
-            page = tile * kv_pages + p
-
-            # pages past what the block sees are never copied: their table entries may be anything
-            @pl.when(page < pages_needed)
-            def _():
-                block = jnp.clip(table_ref[s * max_pages + jnp.minimum(page, max_pages - 1)], 0, num_blocks - 1)
-                copy = pltpu.make_async_copy(cache_ref.at[block], buf.at[p], sem.at[0])
-                copy.start() if action == "start" else copy.wait()
-
-        for action in ("start", "wait"):  # every page of the tile in flight at once
-            jax.lax.fori_loop(jnp.int32(0), jnp.int32(kv_pages), lambda p, c: (page_copy(p, action), c)[1], 0)
+        _copy_pages(tile, pages_needed, s, table_ref, cache_ref, buf, sem, max_pages, num_blocks)
         start = tile * kv_tile
         position = start + jax.lax.broadcasted_iota(jnp.int32, (kv_tile, 1), 0)
         kv = jnp.where(position < end, buf[...].reshape(kv_tile, -1).astype(jnp.float32), 0.0)
@@ -240,17 +248,7 @@ def _indexer_kernel(token_seq_ref, cu_ref, kv_lens_ref, table_ref, q_ref, w_ref,
     o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
 
     def body(tile, carry):
-        def page_copy(p, action):
-            page = tile * kv_pages + p
-
-            @pl.when(page < pages_needed)
-            def _():
-                block = jnp.clip(table_ref[s * max_pages + jnp.minimum(page, max_pages - 1)], 0, num_blocks - 1)
-                copy = pltpu.make_async_copy(k_cache_ref.at[block], buf.at[p], sem.at[0])
-                copy.start() if action == "start" else copy.wait()
-
-        for action in ("start", "wait"):
-            jax.lax.fori_loop(jnp.int32(0), jnp.int32(kv_pages), lambda p, c: (page_copy(p, action), c)[1], 0)
+        _copy_pages(tile, pages_needed, s, table_ref, k_cache_ref, buf, sem, max_pages, num_blocks)
         start = tile * kv_tile
         position = start + jax.lax.broadcasted_iota(jnp.int32, (kv_tile, 1), 0)
         keys = jnp.where(position < seen_end, buf[...].reshape(kv_tile, -1).astype(jnp.float32), 0.0)

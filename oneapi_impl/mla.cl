@@ -31,8 +31,8 @@ typedef CAT(TYPE_, CACHE_KIND) cache_t;
 // repeats replaced by -1 (the op does that), so a position counts once.
 // NaN and inf, as the reference and the Triton kernel: nothing outside the rows a tile lists is
 // read (they are staged as 0); a NaN or inf the tile holds flows through the sums (a zero weight
-// times NaN is NaN), so it may reach every row of the work-group. The running max propagates a
-// NaN (fmax would drop it and lose the row's NaN).
+// times NaN is NaN), so it may reach every row of the work-group; online_softmax_row (dtypes.cl)
+// keeps a NaN logit in the running max.
 //
 // Quotient-remainder pairs are written in unsigned arithmetic: the signed form makes clang -O2
 // emit `freeze`, which llvm-spirv 14 cannot translate.
@@ -126,29 +126,7 @@ void ragged_paged_mla(__global const q_t *q_nope, __global const q_t *q_pe, __gl
             ps[r][k] = logit;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (uint r = lid; r < ROWS; r += WG) {
-            const float old_max = row_max[r];
-            float new_max = old_max;
-            for (int k = 0; k < KT; ++k) {
-                const float x = ps[r][k];
-                if (isnan(x) || x > new_max) new_max = x;
-            }
-            if (new_max == -INFINITY) {  // this row sees none of the tile (yet)
-                for (int k = 0; k < KT; ++k) ps[r][k] = 0.0f;
-                row_rescale[r] = 1.0f;
-            } else {
-                float sum = 0.0f;
-                for (int k = 0; k < KT; ++k) {
-                    const float p = exp(ps[r][k] - new_max);
-                    ps[r][k] = p;
-                    sum += p;
-                }
-                const float rescale = exp(old_max - new_max);
-                row_sum[r] = row_sum[r] * rescale + sum;
-                row_max[r] = new_max;
-                row_rescale[r] = rescale;
-            }
-        }
+        for (uint r = lid; r < ROWS; r += WG) row_rescale[r] = online_softmax_row(ps[r], KT, &row_max[r], &row_sum[r]);
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int c = 0; c < COLS; ++c) {
             const uint d = lid + c * WG;
