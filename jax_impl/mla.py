@@ -213,7 +213,8 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
         )(token_seq, cu, lens, table, listed.reshape(-1), scale, listed[:, None, :], q_nope, q_pe, kv_cache)
         return out.astype(out_dtype), lse[..., 0]
 
-    q_block = min(MAX_Q_BLOCK, 1 << max(0, -(-num_tokens // num_seqs) - 1).bit_length())
+    # the mean query length, within [8, 16]: 8 rows are a TPU block's least (a sublane tile)
+    q_block = min(MAX_Q_BLOCK, max(8, 1 << max(0, -(-num_tokens // num_seqs) - 1).bit_length()))
     kv_pages = max(1, min(max(1, max_pages), KV_TILE // block_size))
     num_items = max(1, (num_tokens + num_seqs * (q_block - 1)) // q_block)  # >= sum of ceil(q_len / q_block)
     item_seq, item_q0, item_count, token_row, gather = schedule(cu, num_tokens, num_seqs, q_block, num_items)
