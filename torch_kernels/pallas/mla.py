@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import _check_cache_dtype, pallas_reshape_and_cache
+from .paged_attention import check_cache_dtype, pallas_reshape_and_cache
 from .torch_tensors import check_cpu, to_jax, to_torch
 
 
@@ -26,7 +26,7 @@ def pallas_ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_ta
                             scale):
     """Contract: ``torch_kernels.reference.mla.ragged_paged_mla``."""
     check_cpu(q_nope, kv_cache)
-    _check_cache_dtype(kv_cache)
+    check_cache_dtype(kv_cache)
     from jax_impl import mla
 
     out, lse = mla.ragged_paged_mla(
