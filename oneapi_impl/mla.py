@@ -102,10 +102,10 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
 
 
 def spirv_binaries() -> list[bytes]:
-    """The SPIR-V modules of the attention at DeepSeek-V3's widths (Lr 512, R 64) for each query
-    dtype over its own cache dtype and float8_e4m3fn, and of the indexer at DeepSeek-V3.2's (64
-    heads of 128, top 2048) in bfloat16 and float32 (built, cached)."""
+    """The SPIR-V modules of the attention at DeepSeek-V3's widths (Lr 512, R 64), bfloat16 over a
+    bfloat16 and a float8_e4m3fn cache and float32, and of the indexer at DeepSeek-V3.2's (64
+    heads of 128, top 2048) in bfloat16 (built, cached; the other dtypes differ only in loads)."""
     return ([_runtime.spirv(SOURCE, _macros(q, c, 512, 64))
-             for q in (torch.float32, torch.float16, torch.bfloat16) for c in (q, torch.float8_e4m3fn)]
-            + [_runtime.spirv(SOURCE, {"Q_KIND": KINDS[q], "HI": 64, "DI": 128, "TOPK_P": 2048})
-               for q in (torch.bfloat16, torch.float32)])
+             for q, c in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+                          (torch.float32, torch.float32))]
+            + [_runtime.spirv(SOURCE, {"Q_KIND": KINDS[torch.bfloat16], "HI": 64, "DI": 128, "TOPK_P": 2048})])
