@@ -353,7 +353,7 @@ def _attention_kernel(*refs, fused, num_tokens, num_blocks, num_kv_heads, heads_
         o_ref[j] = out.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
 
-def _schedule(cu_q_lens, num_tokens, num_seqs, q_block, num_items):
+def schedule(cu_q_lens, num_tokens, num_seqs, q_block, num_items):
     """Query blocks of ``q_block`` tokens, none straddling two sequences: per block its sequence,
     first query index within the sequence and number of real queries; and, per token, its row in
     the blocked layout."""
@@ -407,7 +407,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
                           query.dtype, key_cache.dtype)
     q_block, kv_pages, heads_per_block = cfg.q_block, cfg.kv_pages, cfg.kv_heads_per_block
     num_items = max(1, (num_tokens + num_seqs * (q_block - 1)) // q_block)  # >= sum of ceil(q_len / q_block)
-    item_seq, item_q0, item_count, token_row, gather = _schedule(cu_q_lens, num_tokens, num_seqs, q_block,
+    item_seq, item_q0, item_count, token_row, gather = schedule(cu_q_lens, num_tokens, num_seqs, q_block,
                                                                  num_items)
 
     # TPUs multiply float16 poorly or not at all: float16 queries are computed in float32

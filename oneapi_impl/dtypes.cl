@@ -1,5 +1,6 @@
 // What every kernel source shares, prepended to each by _runtime.spirv: dtype kinds, their
-// storage types, loads to float32 and the float16 / bfloat16 stores.
+// storage types, loads to float32 and the float16 / bfloat16 stores; the attention kernels'
+// online-softmax row step.
 //   kind: 0 float32, 1 float16, 2 bfloat16, 3 int8, 4 float8_e4m3fn, 5 float8_e5m2
 
 #define CAT_(a, b) a##b
@@ -46,3 +47,27 @@ static ushort encode_bf16(float x) {
 #define STORE_2(p, i, x) ((p)[i] = encode_bf16(x))
 #define STORE(kind, p, i, x) CAT(STORE_, kind)(p, i, x)
 
+
+// One row's step of an online softmax over the n logits p (-inf: unseen) of a tile: p becomes
+// their weights against the row's new running max (all 0 while the row has seen nothing; a NaN
+// logit propagates, where fmax would drop it), the running max and sum are updated, and the
+// factor the row's accumulator must be scaled by is returned.
+static float online_softmax_row(__local float *p, int n, __local float *row_max, __local float *row_sum) {
+    const float old_max = *row_max;
+    float new_max = old_max;
+    for (int k = 0; k < n; ++k)
+        if (isnan(p[k]) || p[k] > new_max) new_max = p[k];
+    if (new_max == -INFINITY) {
+        for (int k = 0; k < n; ++k) p[k] = 0.0f;
+        return 1.0f;
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < n; ++k) {
+        p[k] = exp(p[k] - new_max);
+        sum += p[k];
+    }
+    const float rescale = exp(old_max - new_max);
+    *row_sum = *row_sum * rescale + sum;
+    *row_max = new_max;
+    return rescale;
+}

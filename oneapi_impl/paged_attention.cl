@@ -276,26 +276,7 @@ void ragged_paged_attention(__global const q_t *query, __global const cache_t *k
             ps[r][k] = logit;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (uint r = lid; r < ROWS; r += WG) {
-            const float old_max = row_max[r];
-            float new_max = old_max;
-            for (int k = 0; k < KT; ++k) new_max = fmax(new_max, ps[r][k]);
-            if (new_max == -INFINITY) {  // this row sees none of the tile (yet)
-                for (int k = 0; k < KT; ++k) ps[r][k] = 0.0f;
-                row_rescale[r] = 1.0f;
-            } else {
-                float sum = 0.0f;
-                for (int k = 0; k < KT; ++k) {
-                    const float p = exp(ps[r][k] - new_max);
-                    ps[r][k] = p;
-                    sum += p;
-                }
-                const float rescale = exp(old_max - new_max);
-                row_sum[r] = row_sum[r] * rescale + sum;
-                row_max[r] = new_max;
-                row_rescale[r] = rescale;
-            }
-        }
+        for (uint r = lid; r < ROWS; r += WG) row_rescale[r] = online_softmax_row(ps[r], KT, &row_max[r], &row_sum[r]);
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int c = 0; c < COLS; ++c) {
             const uint d = lid + c * WG;

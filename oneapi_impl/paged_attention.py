@@ -22,7 +22,7 @@ from . import _runtime
 
 SOURCE = "paged_attention.cl"
 ROWS = 16  # query rows (token, head) per work-group, as in paged_attention.cl
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
           torch.int8: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 _QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,7 +55,7 @@ def _local_bytes(head_size: int) -> int:
 
 
 def _macros(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> dict[str, int]:
-    return {"Q_KIND": _KINDS[query_dtype], "CACHE_KIND": _KINDS[cache_dtype], "HEAD_SIZE": head_size}
+    return {"Q_KIND": KINDS[query_dtype], "CACHE_KIND": KINDS[cache_dtype], "HEAD_SIZE": head_size}
 
 
 def _supported(query_dtype, cache, *tensors) -> None:
@@ -63,7 +63,7 @@ def _supported(query_dtype, cache, *tensors) -> None:
         if t is not None and t.device.type != "cpu":
             # Torch XPU tensors would be passed zero-copy through DLPack; that path is not built yet.
             raise NotImplementedError(f"sycl: only CPU tensors (run on the opencl:cpu device) are supported, got {t.device}")
-    if query_dtype not in _QUERY_DTYPES or cache.dtype not in _KINDS:
+    if query_dtype not in _QUERY_DTYPES or cache.dtype not in KINDS:
         raise NotImplementedError(f"sycl: no kernel for {query_dtype} queries with a {cache.dtype} cache")
     head_size = cache.shape[3]
     if _local_bytes(head_size) > _runtime.local_memory_bytes():
@@ -75,7 +75,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class _DeviceCache:
+class DeviceCache:
     """A cache as a kernel sees it: USM memory, the element offset of entry (0, 0, 0, 0) in it,
     and the cache's strides; ``view`` is that cache as a torch view of the memory."""
 
@@ -95,7 +95,7 @@ def _extent(cache: torch.Tensor) -> tuple[int, int]:
     return start, start + 1 + sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
 
 
-def _device_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> list[_DeviceCache]:
+def device_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> list[DeviceCache]:
     """USM copies of the storage the caches view, their strides kept: one copy of the region both
     reach when they view one storage (vLLM's halves of one tensor), else one each."""
     caches = (key_cache, value_cache)
@@ -115,11 +115,11 @@ def _device_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> list[_
         memory, raw = copies[key]
         offset = cache.storage_offset() - start
         view = raw.view(cache.dtype).as_strided(cache.shape, cache.stride(), offset)
-        result.append(_DeviceCache(memory, offset, cache.stride()[:3], view))
+        result.append(DeviceCache(memory, offset, cache.stride()[:3], view))
     return result
 
 
-def _write_args(key, value, key_cache: _DeviceCache, value_cache: _DeviceCache, slot_mapping, k_scale, v_scale,
+def _write_args(key, value, key_cache: DeviceCache, value_cache: DeviceCache, slot_mapping, k_scale, v_scale,
                 block_size: int) -> list:
     inputs = [_runtime.usm_copy(t) for t in (key, value)]
     slots = _runtime.usm_copy(slot_mapping)
@@ -155,7 +155,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
     stand_ins = []
     for _ in range(2):
         memory, view = _runtime.usm_empty(row_shape, key_cache.dtype)
-        stand_ins.append(_DeviceCache(memory, 0, view.stride()[:3], view))
+        stand_ins.append(DeviceCache(memory, 0, view.stride()[:3], view))
     args = _write_args(key, value, *stand_ins, local_slots, k_scale, v_scale, block_size=1)
     _runtime.host_queue().submit(kernel, args, _write_range(key)).wait()
     blocks, offsets = _slot_index(key_cache, slot_mapping[real])
@@ -186,7 +186,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
 
-    caches = _device_caches(key_cache, value_cache)
+    caches = device_caches(key_cache, value_cache)
     write = None
     if key is not None:
         # Two kernels on one queue, not one: the attention of a token may read keys that another

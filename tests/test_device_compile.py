@@ -75,6 +75,16 @@ def test_sycl_quantized_attention_builds_spirv():
         assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
 
 
+def test_sycl_mla_builds_spirv():
+    require_backend("sycl")
+    from oneapi_impl import mla
+
+    binaries = mla.spirv_binaries()
+    assert len(binaries) == 4  # bfloat16 over bfloat16 and fp8, float32; the indexer
+    for spv in binaries:
+        assert int.from_bytes(spv[:4], "little") == 0x07230203  # the SPIR-V magic number
+
+
 # --- Triton: every kernel at its default config, compiled for sm_90 and sm_80 ---------------------
 #
 # The builds and their analysis live in triton_impl/compile_report.py (benchmarks/compiled_kernels.py

@@ -136,7 +136,7 @@ def ragged_paged_mla_kernel(
                 row_max, row_sum, acc = _mla_tile(q_nope_rows, q_pe_rows, row_ok, q_pos, cache_ptr, entry, pos,
                                                   pos_ok, column, logit_scale, row_max, row_sum, acc, LR, R, RP,
                                                   L_CHUNK, OUT_CHUNK, DOT_F32)
-        else:  # one token: its list, deduplicated by the launcher, -1 and later positions masked
+        else:  # one token: its list, deduplicated by the op, -1 and later positions masked
             for first in range(0, TOPK, BLOCK_N):
                 listed = first + tl.arange(0, BLOCK_N)
                 pos = tl.load(topk_ptr + q_start.to(tl.int64) * TOPK + listed, mask=listed < TOPK, other=-1)
@@ -201,14 +201,6 @@ def default_config(num_tokens: int, num_seqs: int, num_heads: int, latent: int, 
                   out_chunk=min(64 if narrow_out else 128, latent_p))
 
 
-def _deduplicated(topk_indices: torch.Tensor) -> torch.Tensor:
-    """Each row sorted, a position listed twice kept once (the rest -1)."""
-    ordered = topk_indices.sort(dim=1).values
-    repeated = torch.zeros_like(ordered, dtype=torch.bool)
-    repeated[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-    return ordered.masked_fill(repeated, -1).contiguous()
-
-
 def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, scale,
                      config: Config | None = None):
     """The attention kernel on CUDA/XPU tensors, or interpreted on CPU tensors."""
@@ -223,7 +215,7 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     on_cpu = q_nope.device.type == "cpu"  # interpreted: float32 dots (it mishandles bfloat16)
     config = config or default_config(num_tokens, num_seqs, num_heads, latent, sparse, on_cpu, q_nope.dtype,
                                      arch_of(q_nope.device))
-    topk = _deduplicated(topk_indices) if sparse else cu_q_lens  # any int32 pointer when dense
+    topk = topk_indices if sparse else cu_q_lens  # any int32 pointer when dense
     grid = (num_tokens // config.block_q + num_seqs, triton.cdiv(num_heads, config.block_h),
             triton.cdiv(latent, config.out_chunk))
     kernel = for_device(ragged_paged_mla_kernel, q_nope.device)
@@ -237,6 +229,102 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
         num_warps=config.num_warps,
     )
     return out, lse
+
+
+@triton.jit
+def _ordered(score):
+    """float32 scores as int64 keys in the same order (a NaN first made -inf, -0 made +0)."""
+    score = tl.where(score != score, float("-inf"), score)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def indexer_topk_kernel(
+    q_ptr, k_cache_ptr, weights_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr, scratch_ptr, out_ptr, num_seqs,
+    block_table_stride, block_stride, slot_stride, top_k,
+    HI: tl.constexpr, DI: tl.constexpr, HI_P: tl.constexpr, DI_P: tl.constexpr, TOPK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Token ``program_id(0)``'s ``top_k`` best visible positions; see ``indexer_topk``."""
+    token = tl.program_id(0)
+    seq = sequence_of(cu_q_lens_ptr, num_seqs, token, 1)  # one query block per token (the grid is T + S)
+    q_begin = tl.load(cu_q_lens_ptr + seq)
+    q_end = tl.load(cu_q_lens_ptr + seq + 1)
+    t = q_begin + (token - (q_begin + seq))
+    if t < q_end:
+        seen_end = tl.load(kv_lens_ptr + seq) - (q_end - t) + 1  # positions below it are visible
+        heads = tl.arange(0, HI_P)
+        dims = tl.arange(0, DI_P)
+        row = t.to(tl.int64) * HI + heads
+        q = tl.load(q_ptr + row[:, None] * DI + dims[None, :], mask=(heads[:, None] < HI) & (dims[None, :] < DI),
+                    other=0.0)
+        w = tl.load(weights_ptr + row, mask=heads < HI, other=0.0).to(tl.float32)
+        none = tl.full((TOPK_P,), -9223372036854775808, dtype=tl.int64)  # below every real key
+        best = none
+        scratch = scratch_ptr + t.to(tl.int64) * TOPK_P + tl.arange(0, TOPK_P)
+        for chunk in range(0, seen_end, TOPK_P):
+            # the chunk's keys, BLOCK_N positions at a time, through this token's scratch row
+            for first in tl.static_range(0, TOPK_P, BLOCK_N):
+                pos = chunk + first + tl.arange(0, BLOCK_N)
+                pos_ok = pos < seen_end
+                entry = _row_offsets(pos, pos_ok, seq, block_table_ptr, block_table_stride, block_stride, slot_stride,
+                                     BLOCK_SIZE)
+                k = tl.load(k_cache_ptr + entry[None, :] + dims[:, None], mask=pos_ok[None, :] & (dims[:, None] < DI),
+                            other=0.0)
+                if DOT_F32:
+                    dots = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+                else:
+                    dots = tl.dot(q, k, out_dtype=tl.float32)
+                # relu keeping NaN (then ranked as -inf, as the reference ranks it)
+                score = tl.sum(tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None], axis=0)
+                # higher score first, then lower position: the position, reversed, in the low bits
+                key = (_ordered(score) << 32) | (2147483647 - pos).to(tl.int64)
+                tl.store(scratch_ptr + t.to(tl.int64) * TOPK_P + first + tl.arange(0, BLOCK_N),
+                         tl.where(pos_ok, key, -9223372036854775808))
+            tl.debug_barrier()
+            candidates = tl.load(scratch)
+            tl.debug_barrier()  # every thread has read the row before the next chunk writes it
+            # best sorted descending against the candidates ascending: the larger of each pair are
+            # the best TOPK_P of both (the first step of a bitonic merge), sorted again
+            best = tl.sort(tl.maximum(best, tl.sort(candidates)), descending=True)
+        column = tl.arange(0, TOPK_P)
+        chosen = tl.where(best == none, -1, 2147483647 - (best & 0xFFFFFFFF))
+        tl.store(out_ptr + t.to(tl.int64) * top_k + column, chosen.to(tl.int32), mask=column < top_k)
+
+
+def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int):
+    """The fused indexer and top-k on CUDA/XPU tensors, or interpreted on CPU tensors. A program
+    per token keeps its best ``top_k`` (position, score) keys sorted in registers and merges each
+    chunk of ``top_k`` (rounded up to a power of two) positions' keys into them: scores are never
+    kept past their chunk (a row of ``8 * top_k`` bytes per token holds a chunk's keys while the
+    program assembles it ``BLOCK_N`` positions at a time)."""
+    num_tokens, num_heads, head_size = q.shape
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=q.device)
+    if num_tokens == 0:
+        return out
+    constexprs, num_warps = indexer_constexprs(num_heads, head_size, top_k, k_cache.shape[1],
+                                               q.device.type == "cpu" or q.dtype == torch.float32)
+    scratch = torch.empty(num_tokens, constexprs["TOPK_P"], dtype=torch.int64, device=q.device)
+    kernel = for_device(indexer_topk_kernel, q.device)
+    kernel[(num_tokens + kv_lens.shape[0],)](
+        q, k_cache, weights, cu_q_lens, kv_lens, block_table, scratch, out, kv_lens.shape[0],
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), top_k, **constexprs, num_warps=num_warps,
+    )
+    return out
+
+
+def indexer_constexprs(num_heads: int, head_size: int, top_k: int, block_size: int, dot_f32: bool):
+    """(constexprs, num_warps) of an indexer launch: heads and head size padded to powers of two
+    of at least 16 (tl.dot's least), the kept keys to one of ``top_k``, 64 positions scored a
+    step, and warps enough that the sorted ``2 * TOPK_P`` keys stay in registers (16 at
+    DeepSeek-V3.2's top 2048)."""
+    topk_p = max(16, triton.next_power_of_2(top_k))
+    constexprs = {"HI": num_heads, "DI": head_size, "HI_P": max(16, triton.next_power_of_2(num_heads)),
+                  "DI_P": max(16, triton.next_power_of_2(head_size)), "TOPK_P": topk_p,
+                  "BLOCK_N": min(topk_p, 64), "BLOCK_SIZE": block_size, "DOT_F32": dot_f32}
+    return constexprs, 4 if topk_p <= 256 else 8
 
 
 def write_compile_target(new_dtype: torch.dtype, cache_dtype: torch.dtype, latent: int = 512, rope: int = 64,
@@ -271,6 +359,19 @@ def compile_target(query_dtype: torch.dtype, cache_dtype: torch.dtype, decode: b
     return signature, constexprs, config
 
 
+def indexer_compile_target(dtype: torch.dtype, num_heads: int = 64, head_size: int = 128, top_k: int = 2048,
+                           block_size: int = 64):
+    """(signature, constexprs, num_warps) to build the indexer ahead of time (DeepSeek-V3.2's
+    sizes by default: 64 indexer heads of 128, top 2048)."""
+    constexprs, num_warps = indexer_constexprs(num_heads, head_size, top_k, block_size, dtype == torch.float32)
+    q = "*" + TRITON_TYPES[dtype]
+    signature = {"q_ptr": q, "k_cache_ptr": q, "weights_ptr": "*fp32", "cu_q_lens_ptr": "*i32", "kv_lens_ptr": "*i32",
+                 "block_table_ptr": "*i32", "scratch_ptr": "*i64", "out_ptr": "*i32", "num_seqs": "i32",
+                 "block_table_stride": "i32", "block_stride": "i32", "slot_stride": "i32", "top_k": "i32",
+                 **{name: "constexpr" for name in constexprs}}
+    return signature, constexprs, num_warps
+
+
 _WRITE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)]
 _ATTENTION_CASES = [  # (query dtype, cache dtype, decode, sparse)
     (torch.bfloat16, torch.bfloat16, True, False),
@@ -284,7 +385,8 @@ _ATTENTION_CASES = [  # (query dtype, cache dtype, decode, sparse)
 def compile_groups(everything: bool) -> dict:
     """The compile report's builds of this family at DeepSeek-V3's sizes (128 heads, Lr 512, R 64,
     64-slot pages, top-k 2048): attention in bfloat16 for decode, prefill and sparse calls, from a
-    float8_e4m3fn cache and in float32; the write from bfloat16 to a bfloat16 and a float8_e4m3fn
+    float8_e4m3fn cache and in float32; the indexer in bfloat16 (DeepSeek-V3.2: 64 heads of 128)
+    at top 2048 and 64; the write from bfloat16 to a bfloat16 and a float8_e4m3fn
     cache (float16 compiles as bfloat16 does; ``everything`` adds its write and float32's)."""
     from . import dtype_name
 
@@ -299,6 +401,11 @@ def compile_groups(everything: bool) -> dict:
                                     f"cache, {kind}, H=128 Lr=512", kernel=ragged_paged_mla_kernel,
                               signature=signature, constexprs=constexprs, num_warps=config.num_warps,
                               num_stages=None))
+        for dtype, top_k in ((torch.bfloat16, 2048), (torch.bfloat16, 64)):
+            signature, constexprs, num_warps = indexer_compile_target(dtype, top_k=top_k)
+            found.append(dict(label=f"indexer_topk {dtype_name(dtype)} Hi=64 Di=128 top_k={top_k}",
+                              kernel=indexer_topk_kernel, signature=signature, constexprs=constexprs,
+                              num_warps=num_warps, num_stages=None))
         for new_dtype, cache_dtype in writes:
             signature, constexprs = write_compile_target(new_dtype, cache_dtype)
             found.append(dict(label=f"mla_reshape_and_cache {dtype_name(new_dtype)} -> {dtype_name(cache_dtype)} "

@@ -183,6 +183,10 @@ def fp8_cache(maker):
     return make
 
 
+def _indexer_run(*inputs, implementation=None):
+    return torch_kernels.indexer_topk(*inputs, implementation=implementation)
+
+
 def _write_run(kv_c, k_pe, kv_cache, slots, scale=None, implementation=None):
     kv_cache = kv_cache.clone()
     torch_kernels.mla_reshape_and_cache(kv_c, k_pe, kv_cache, slots, scale, implementation=implementation)
@@ -209,6 +213,8 @@ DEVICE_CASES = [
     DeviceCase("ragged_paged_mla DeepSeek-V3.2 top-2048", "ragged_paged_mla",
                with_topk(sized(family_ops.mla_inputs, q_lens=(1, 1, 16), contexts=(8 * K, 3000, 2000),
                                **_DEEPSEEK), top_k=2048), _attention_run, wide=torch.float32, **LARGE),
+    DeviceCase("indexer_topk", "indexer_topk", family_ops.indexer_inputs, _indexer_run, wide=torch.float32,
+               exact=(0,)),
     DeviceCase("mla_reshape_and_cache", "mla_reshape_and_cache", family_ops.mla_write_inputs, _write_run,
                wide=torch.float32, exact=(0,)),
     DeviceCase("mla_reshape_and_cache fp8 cache", "mla_reshape_and_cache", _fp8_write, _write_run,

@@ -32,7 +32,12 @@ backends.register(WRITE_OP, "pallas", "torch_kernels.pallas.mla:pallas_mla_resha
 backends.register(WRITE_OP, "sycl", "oneapi_impl.mla:mla_reshape_and_cache")
 backends.register(OP, "reference", reference.ragged_paged_mla)
 backends.register(OP, "triton", "triton_impl.mla:ragged_paged_mla")
+backends.register(OP, "pallas", "torch_kernels.pallas.mla:pallas_ragged_paged_mla")
+backends.register(OP, "sycl", "oneapi_impl.mla:ragged_paged_mla")
 backends.register(INDEXER_OP, "reference", reference.indexer_topk)
+backends.register(INDEXER_OP, "triton", "triton_impl.mla:indexer_topk")
+backends.register(INDEXER_OP, "sycl", "oneapi_impl.mla:indexer_topk")
+backends.register(INDEXER_OP, "pallas", "torch_kernels.pallas.mla:pallas_indexer_topk")
 
 CACHE_DTYPES = paged.reference.QUANTIZED_DTYPES  # besides the inputs' own dtype
 
@@ -120,6 +125,15 @@ def _check_scale_values(**scales) -> None:
     paged.raise_first([(bool(bad), message) for bad, message in paged.scale_checks(**scales)])
 
 
+def deduplicated(topk_indices: torch.Tensor) -> torch.Tensor:
+    """Each row sorted, a position listed twice kept once (the rest -1): the form every kernel
+    receives, so that none has to find repeats."""
+    ordered = topk_indices.sort(dim=1).values
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)
+    repeated[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    return ordered.masked_fill(repeated, -1).contiguous()
+
+
 def _device_type(t: torch.Tensor) -> str:
     return "cpu" if t.is_cpu else t.device.type
 
@@ -151,7 +165,7 @@ def _attention_kernel(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, s
     _check_scale_values(kv_scale=kv_scale)
     if topk_indices is not None:
         check_topk(topk_indices, cu_q_lens, kv_lens)
-        topk_indices = topk_indices.contiguous()
+        topk_indices = deduplicated(topk_indices)
     return backends.dispatch(OP, _device_type(q_nope), implementation, q_nope.contiguous(), q_pe.contiguous(),
                              kv_cache, cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(),
                              float(sm_scale), topk_indices, _scale(kv_scale, q_nope.device))

@@ -1,4 +1,5 @@
-"""The pallas backend of the mla family on CPU torch tensors: the latent-cache write.
+"""The pallas backend of the mla family on CPU torch tensors: the latent-cache write and the
+attention (``jax_impl.mla``).
 
 A latent cache ``[num_blocks, block_size, Lr + R]`` is a paged cache with one kv head of size
 ``Lr + R``, so the write is the paged attention family's Pallas write with the row
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import pallas_reshape_and_cache
+from .paged_attention import check_cache_dtype, pallas_reshape_and_cache
+from .torch_tensors import check_cpu, to_jax, to_torch
 
 
 def pallas_mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
@@ -18,6 +20,27 @@ def pallas_mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     rows = torch.cat([kv_c, k_pe], dim=-1)[:, None]
     cache = kv_cache[:, :, None]
     pallas_reshape_and_cache(rows, rows, cache, cache, slot_mapping, scale, scale)
+
+
+def pallas_ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices,
+                            scale):
+    """Contract: ``torch_kernels.reference.mla.ragged_paged_mla``."""
+    check_cpu(q_nope, kv_cache)
+    check_cache_dtype(kv_cache)
+    from jax_impl import mla
+
+    out, lse = mla.ragged_paged_mla(
+        *map(to_jax, (q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table)), float(sm_scale),
+        None if topk_indices is None else to_jax(topk_indices), to_jax(scale))
+    return to_torch(out), to_torch(lse)
+
+
+def pallas_indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k):
+    """Contract: ``torch_kernels.reference.mla.indexer_topk``."""
+    check_cpu(q, k_cache)
+    from jax_impl import mla
+
+    return to_torch(mla.indexer_topk(*map(to_jax, (q, k_cache, weights, cu_q_lens, kv_lens, block_table)), top_k))
 
 
 def torchax_implementations() -> dict:

@@ -16,7 +16,8 @@ from .torchax_tensors import first_backend
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, *FLOAT8_JAX_NAMES)
 
 
-def _check_cache_dtype(cache: torch.Tensor) -> None:
+def check_cache_dtype(cache: torch.Tensor) -> None:
+    """Decline (NotImplementedError) a cache dtype the Pallas kernels are not built for."""
     if cache.dtype not in _CACHE_DTYPES:
         raise NotImplementedError(f"pallas: caches of dtype {cache.dtype} are not supported")
 
@@ -37,7 +38,7 @@ def _slots(slot_mapping: torch.Tensor) -> torch.Tensor:
 
 def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     check_cpu(key, key_cache)
-    _check_cache_dtype(key_cache)
+    check_cache_dtype(key_cache)
     from jax_impl import paged_attention
 
     new_k, new_v = paged_attention.reshape_and_cache(
@@ -49,7 +50,7 @@ def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k
 def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                                   sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
     check_cpu(query, key_cache)
-    _check_cache_dtype(key_cache)
+    check_cache_dtype(key_cache)
     from jax_impl import paged_attention
 
     new = None if key is None else (to_jax(key), to_jax(value), to_jax(_slots(slot_mapping)))

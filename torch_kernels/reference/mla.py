@@ -20,7 +20,8 @@ place, never copied; ``scale`` is float32 ``[1]``):
   topk_indices, scale)`` returns ``(out [T, H, Lr] in q_nope's dtype, lse [T, H] float32)``:
   causal attention (query ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sees
   positions ``<= kv_len - q_len + i``), restricted to the positions ``topk_indices[t]`` lists when
-  given (-1 entries list nothing; a position listed twice counts once). ``lse`` is the natural
+  given (-1 entries list nothing; a position listed twice counts once; the op passes each row
+  sorted, a repeat replaced by -1, so kernels need not look for repeats). ``lse`` is the natural
   log-sum-exp of the scaled logits a query attends over; a query attending to nothing gets zeros
   and ``lse = -inf``. Logits, softmax and sums are float32.
 """
