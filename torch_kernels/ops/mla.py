@@ -467,3 +467,7 @@ def selftest_cases() -> list[Case]:
     return [Case(OP, mla_inputs, ragged_paged_mla, _attention_definition),
             Case(WRITE_OP, mla_write_inputs, _written, _write_definition),
             Case(INDEXER_OP, indexer_inputs, _indexer_run, _indexer_definition)]
+
+
+# transformers' MLA layers (DeepSeek-V3, V3.2, Kimi Linear) in the latent space, for kernelize
+from ._mla_transformers import TRANSFORMERS_LAYERS  # noqa: E402  (its forwards call the wrappers above)
