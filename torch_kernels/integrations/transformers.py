@@ -328,11 +328,10 @@ def _replace_layers(model: nn.Module, implementation: str | None, report: Kernel
         forward = declared.get(f"{base.__module__}.{base.__qualname__}")
         if forward is None:
             continue
-        why = "; ".join(f"{op.__name__}: {why}" for op in forward.ops if (why := _missing_kernels(op, implementation)))
-        if not why and hasattr(forward, "unsupported"):
-            why = forward.unsupported(module) and f"{path}: {forward.unsupported(module)}"
-        if why:
-            report._skip(base.__name__, why)
+        missing = [f"{op.__name__}: {why}" for op in forward.ops if (why := _missing_kernels(op, implementation))]
+        unsupported = None if missing else getattr(forward, "unsupported", lambda m: None)(module)
+        if missing or unsupported:
+            report._skip(base.__name__, "; ".join(missing) or f"{path}: {unsupported}")
             continue
         module.__class__ = _layer_class(base, forward, implementation)
         report._undo.append(functools.partial(setattr, module, "__class__", current))
@@ -399,7 +398,8 @@ def kernelize(model: nn.Module, implementation=None, *, experts: bool = True,
     - Layers (every class a family declares in ``TRANSFORMERS_LAYERS``: DeepSeek-V3's, V3.2's and
       Kimi Linear's multi-head latent attention): each instance takes a subclass whose forward
       runs the family's ops (MLA in the latent space over a paged latent cache, V3.2's indexer
-      top-k); calls the ops do not describe (padding masks, gradients) run the layer's own forward.
+      top-k); calls the ops do not describe (padding masks, gradients) run the layer's own forward,
+      and a layer the family cannot take (a quantized ``kv_b_proj``) is reported.
     - Experts (``experts=True``): ``set_experts_implementation`` to ``fused_moe`` for this model
       (experts ``fused_moe`` does not describe keep transformers' path and are reported).
     - Attention: only with ``quantized_attention=True`` (it quantizes Q and K to int8, so it is not
