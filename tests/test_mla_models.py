@@ -207,28 +207,37 @@ def test_kernelized_deepseek_matches_transformers(backend, architecture):
     assert type(model.model.layers[0].self_attn).__module__.startswith("transformers.")
 
 
-def test_plain_causal_masks():
-    """The latent path runs only under masks that say plain causality (bottom-right, no padding)."""
-    plain_causal = ops.plain_causal
+def test_padding_starts_reads_causal_and_left_padded_masks_only():
+    """The latent path runs under masks that say causality, with rows left-padded and every query
+    real (a padded batch's decode steps): it returns where each row's real positions start; None
+    for anything else."""
+    starts = ops.padding_starts
     seen = torch.ones(3, 5, dtype=torch.bool).tril(2)[None, None].expand(2, 1, 3, 5)
     additive = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
-    assert plain_causal(None) and plain_causal(seen) and plain_causal(additive)
-    assert plain_causal(additive.masked_fill(~seen, float("-inf")))
+    for mask in (None, seen, additive, additive.masked_fill(~seen, float("-inf")), seen[:1]):
+        assert starts(mask, 2, 3).tolist() == [0, 0]
     padded = seen.clone()
-    padded[1, :, :, 0] = False  # a left-padded row
-    assert not plain_causal(padded) and not plain_causal(additive.masked_fill(~padded, -1e9))
-    assert not plain_causal(additive - 0.5)  # a bias is not a mask
-    assert not plain_causal(torch.ones(2, 1, 3, 5, dtype=torch.bool))  # bidirectional
+    padded[1, :, :, :2] = False  # row 1's first two positions are padding; its queries (2, 3, 4) are real
+    assert starts(padded, 2, 3).tolist() == [0, 2]
+    assert starts(additive.masked_fill(~padded, -torch.inf), 2, 3).tolist() == [0, 2]
+    padded[1, :, :, 2] = False  # now query 2 of row 1 is padding too
+    assert starts(padded, 2, 3) is None
+    holed = seen.clone()
+    holed[0, :, :, 1] = False  # a hidden position that is not a prefix
+    assert starts(holed, 2, 3) is None
+    assert starts(additive - 0.5, 2, 3) is None  # a bias is not a mask
+    assert starts(torch.ones(2, 1, 3, 5, dtype=torch.bool), 2, 3) is None  # bidirectional
+    assert starts(seen, 2, 2) is None  # not this call's queries
 
 
 def _grad(p) -> torch.Tensor:
     return p.grad.clone() if p.grad is not None else torch.zeros_like(p)
 
 
-def test_kernelize_mla_layers_only_this_instance_and_exact_elsewhere():
-    """Only this model's layers change class, and back on undo; calls the ops do not describe run
-    the layer's own forward, exactly: a left-padded batch (a padding mask), a training step (the
-    ops have no backward). A layer whose weights cannot be absorbed and a backend without the
+def test_kernelize_mla_layers_only_this_instance_and_exact_elsewhere(monkeypatch):
+    """Only this model's layers change class, and back on undo; a left-padded batch decodes on the
+    ops with transformers' tokens; calls the ops do not describe run the layer's own forward,
+    exactly: the padded batch's prefill (padded queries), a training step (the ops have no backward). A layer whose weights cannot be absorbed and a backend without the
     indexer's kernel are reported, not replaced."""
     model, other, ids = _model("deepseek_v32"), _model("deepseek_v32"), _ids(length=8)
     other.model.layers[1].self_attn.kv_b_proj.__class__ = type("QuantizedLinear", (torch.nn.Linear,), {})
@@ -240,6 +249,7 @@ def test_kernelize_mla_layers_only_this_instance_and_exact_elsewhere():
     padding[1, :3] = 0
     with torch.no_grad():
         padded = model(ids, attention_mask=padding).logits
+    padded_tokens = model.generate(ids, attention_mask=padding, max_new_tokens=8, do_sample=False)
     model.zero_grad()
     model(ids, labels=ids).loss.backward()
     grads = [_grad(p) for p in model.parameters()]
@@ -247,10 +257,17 @@ def test_kernelize_mla_layers_only_this_instance_and_exact_elsewhere():
 
     report = integration.kernelize(model)
     assert "DeepseekV32Attention" in report.replaced
+    attend = ops.ragged_paged_mla
     assert _ops_run(other, ids)[0] == set()
     assert {"ragged_paged_mla[reference]", "indexer_topk[reference]"} <= _ops_run(model, ids)[0]
-    with torch.no_grad():
+    with torch.no_grad():  # padded queries: the layer's own forward
         assert _relative(model(ids, attention_mask=padding).logits, padded) <= 1e-6
+    calls = []  # counted, not profiled: the profiler over generate costs seconds
+    monkeypatch.setattr(ops, "ragged_paged_mla", lambda *a, **k: calls.append(k) or attend(*a, **k))
+    tokens = model.generate(ids, attention_mask=padding, max_new_tokens=8, do_sample=False)
+    monkeypatch.undo()
+    assert torch.equal(tokens, padded_tokens), "a left-padded batch's greedy tokens differ"
+    assert len(calls) == 2 * 7  # decoding on the ops (2 layers, 7 steps), the padded prefill not
     model.zero_grad()
     model(ids, labels=ids).loss.backward()
     assert max(_relative(_grad(p), g) for p, g in zip(model.parameters(), grads) if g.any()) <= 1e-5

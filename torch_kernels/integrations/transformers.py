@@ -398,8 +398,8 @@ def kernelize(model: nn.Module, implementation=None, *, experts: bool = True,
     - Layers (every class a family declares in ``TRANSFORMERS_LAYERS``: DeepSeek-V3's, V3.2's and
       Kimi Linear's multi-head latent attention): each instance takes a subclass whose forward
       runs the family's ops (MLA in the latent space over a paged latent cache, V3.2's indexer
-      top-k); calls the ops do not describe (padding masks, gradients) run the layer's own forward,
-      and a layer the family cannot take (a quantized ``kv_b_proj``) is reported.
+      top-k); calls the ops do not describe (padded queries, packing masks, gradients) run the
+      layer's own forward, and a layer the family cannot take (a quantized ``kv_b_proj``) is reported.
     - Experts (``experts=True``): ``set_experts_implementation`` to ``fused_moe`` for this model
       (experts ``fused_moe`` does not describe keep transformers' path and are reported).
     - Attention: only with ``quantized_attention=True`` (it quantizes Q and K to int8, so it is not
