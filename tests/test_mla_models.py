@@ -188,14 +188,15 @@ def test_kernelized_deepseek_matches_transformers(backend, architecture):
     keeps transformers' experts (the fused-MoE drop-in is test_moe_transformers.py's) and takes
     the indexer from the reference, which is its only backend so far."""
     require_backend(backend)
+    interpreted = backend != "reference"
     model, ids = _model(architecture), _ids()
-    new_tokens = TOKENS if backend == "reference" else INTERPRETED_TOKENS
+    new_tokens = INTERPRETED_TOKENS if interpreted else TOKENS
     with torch.no_grad():
         logits = model(ids).logits
     tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     layer, used = MODELS[architecture][1:]
-    implementation = backend if backend == "reference" else f"{backend},reference"
-    with integration.kernelize(model, implementation, experts=backend == "reference") as report:
+    implementation = f"{backend},reference" if interpreted else backend
+    with integration.kernelize(model, implementation, experts=not interpreted) as report:
         assert report.where[layer] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
         ran, out = _ops_run(model, ids)
         error = _relative(out, logits)
@@ -237,8 +238,9 @@ def _grad(p) -> torch.Tensor:
 def test_kernelize_mla_layers_only_this_instance_and_exact_elsewhere(monkeypatch):
     """Only this model's layers change class, and back on undo; a left-padded batch decodes on the
     ops with transformers' tokens; calls the ops do not describe run the layer's own forward,
-    exactly: the padded batch's prefill (padded queries), a training step (the ops have no backward). A layer whose weights cannot be absorbed and a backend without the
-    indexer's kernel are reported, not replaced."""
+    exactly: the padded batch's prefill (padded queries), a training step (the ops have no
+    backward). A layer whose weights cannot be absorbed and a backend without the indexer's kernel
+    are reported, not replaced."""
     model, other, ids = _model("deepseek_v32"), _model("deepseek_v32"), _ids(length=8)
     other.model.layers[1].self_attn.kv_b_proj.__class__ = type("QuantizedLinear", (torch.nn.Linear,), {})
     with integration.kernelize(other, experts=False) as report:  # a weight that cannot be absorbed

@@ -593,8 +593,8 @@ def latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation, topk
     slots = (table.long()[:, :1] * LAYER_BLOCK_SIZE + kv_lens.long()[:, None] - q_len
              + torch.arange(q_len, device=c.device)).flatten()
     new = slice(kv_len - q_len, kv_len)  # every query is real: the last T positions of each row
-    mla_reshape_and_cache(c[:, new].reshape(batch * q_len, latent), k_pe[:, new].reshape(batch * q_len, -1), cache, slots,
-          implementation=implementation)
+    mla_reshape_and_cache(c[:, new].reshape(batch * q_len, latent), k_pe[:, new].reshape(batch * q_len, -1),
+                          cache, slots, implementation=implementation)
     out = ragged_paged_mla(q_latent, q_rope, cache, cu_q_lens, kv_lens, table, module.scaling,
                            topk_indices=topk_indices, implementation=implementation)
     out = torch.einsum("thl,hvl->thv", out, w_uv).reshape(batch, q_len, heads * module.v_head_dim)
@@ -664,8 +664,9 @@ def _indexer_topk(indexer, hidden_states, q_resid, position_embeddings, cache, k
     weights = weights * (indexer.n_heads ** -0.5 * indexer.softmax_scale)
     cu_q_lens, kv_lens, table = _batch(length, kv_len - starts, kv_len, k.device)
     top_k = min(indexer.index_topk, kv_len)  # as the indexer takes it (positions it cannot see come out -1)
-    return indexer_topk(q.reshape(batch * length, indexer.n_heads, -1), _paged(k, starts), weights.reshape(batch * length, -1),
-                        cu_q_lens, kv_lens, table, top_k, implementation=implementation)
+    return indexer_topk(q.reshape(batch * length, indexer.n_heads, -1), _paged(k, starts),
+                        weights.reshape(batch * length, -1), cu_q_lens, kv_lens, table, top_k,
+                        implementation=implementation)
 
 
 def deepseek_v32_attention(module, original, implementation, hidden_states, position_embeddings=None,
