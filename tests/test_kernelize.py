@@ -4,8 +4,9 @@ the model's own torch path, greedy ``generate`` token for token (the decode path
 one training step's gradients within 1e-4 relative, on every backend; under ``torch.compile``;
 packed sequences; other model instances untouched; ``undo`` restores.
 
-Every hub function a layer of the model lists that some family declares, with a kernel on the
-backend asked for, must be replaced; the rest are reported with why (a family that starts to
+Every hub function a layer of the model lists that some family declares, and every layer of a
+class some family declares (Kimi Linear's MLA), with a kernel on the backend asked for, must be
+replaced; the rest are reported with why (a family that starts to
 declare one is held to the same equalities with no edit here).
 """
 
@@ -142,6 +143,14 @@ def _assert_replaced(model, report, architecture: str, backend: str) -> None:
     assert set(report.replaced) >= expected, report
     for name in _listed(model) - set(report.replaced):
         assert name in dict(report.not_replaced), (name, report)
+    # every layer of a class some family declares: replaced where all its ops have the kernel, else reported
+    declared = integration.layer_forwards()
+    for m in model.modules():
+        base = getattr(type(m), "torch_kernels_base", type(m))
+        forward = declared.get(f"{base.__module__}.{base.__qualname__}")
+        if forward is not None:
+            served = all(backend in backends.implementations(op.__name__) for op in forward.ops)
+            assert base.__name__ in (set(report.replaced) if served else dict(report.not_replaced)), report
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -349,11 +358,17 @@ def test_undo_restores_each_sub_configs_attention():
 
 
 def test_declarations_are_public_wrappers_and_unique():
-    """Each family's TRANSFORMERS_HUB_FUNCTIONS maps to wrappers it exports; a name declared twice
-    is refused."""
+    """Each family's TRANSFORMERS_HUB_FUNCTIONS maps to wrappers it exports, each TRANSFORMERS_LAYERS
+    forward lists only such wrappers in its ``ops`` and names a ``module.Class`` of transformers; a
+    name declared twice is refused."""
     for name, table in families.declared(integration.HUB_DECLARATION).items():
         family = families.families()[name]
         assert all(op in [getattr(family, n) for n in family.__all__] for op in table.values()), name
+    for name, table in families.declared(integration.LAYER_DECLARATION).items():
+        family = families.families()[name]
+        for layer, forward in table.items():
+            assert layer.startswith("transformers.") and forward.ops, (name, layer)
+            assert all(op in [getattr(family, n) for n in family.__all__] for op in forward.ops), (name, layer)
 
     class Twice:
         TRANSFORMERS_HUB_FUNCTIONS = {"causal_conv1d_fn": lambda *a, **k: None}
@@ -364,3 +379,14 @@ def test_declarations_are_public_wrappers_and_unique():
             kernelize(_model("lfm2"))
     finally:
         families.unregister("toy_twice")
+    layer = next(iter(integration.layer_forwards()))
+
+    class LayerTwice:
+        TRANSFORMERS_LAYERS = {layer: lambda *a, **k: None}
+
+    families.register("toy_layer_twice", LayerTwice)
+    try:
+        with pytest.raises(ValueError, match=layer.rsplit(".", 1)[1]):
+            kernelize(_model("lfm2"))
+    finally:
+        families.unregister("toy_layer_twice")

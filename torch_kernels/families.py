@@ -8,6 +8,10 @@ family declares, by attribute name, what the code around the ops needs from it:
 - ``selftest_cases()``: its :class:`Case` list, which the doctor and the self-test run;
 - ``TRANSFORMERS_HUB_FUNCTIONS`` (optional): ``{transformers hub function name: public wrapper}``,
   which ``torch_kernels.integrations.transformers.kernelize`` routes a model's calls to;
+- ``TRANSFORMERS_LAYERS`` (optional): ``{"<transformers module>.<layer class>": forward}``, whose
+  layers ``kernelize`` runs through ``forward(module, original, implementation, *args, **kwargs)``
+  (``original``: the class's own forward; ``forward.ops``: the ops it calls; optionally
+  ``forward.unsupported(module)``: why an instance cannot take it, or None);
 
 and the Pallas backend's torch face for family ``f`` lives in ``torch_kernels.pallas.f``
 (found by the same name). Nothing here lists a family by hand.

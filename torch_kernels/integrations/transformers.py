@@ -39,7 +39,7 @@ from ..transformers_experts import activation_of, supports, unsupported_reasons
 NAME = "torch_kernels"
 QUANTIZED_ATTENTION = "torch_kernels_quantized"
 __all__ = ["NAME", "QUANTIZED_ATTENTION", "register", "supports", "unsupported_reasons", "experts_forward", "activation_of",
-           "quantized_attention_forward", "hub_functions", "kernelize", "KernelizeReport"]
+           "quantized_attention_forward", "hub_functions", "layer_forwards", "kernelize", "KernelizeReport"]
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -107,16 +107,34 @@ def register() -> None:
 HUB_DECLARATION = "TRANSFORMERS_HUB_FUNCTIONS"
 
 
+def _merged(declaration: str) -> dict:
+    """The families' ``declaration`` tables merged; a key declared by two families is a ValueError."""
+    found = {}
+    for family, table in families.declared(declaration).items():
+        for name, value in table.items():
+            if name in found:
+                raise ValueError(f"{declaration}: {name!r} is declared by two families (the second: {family})")
+            found[name] = value
+    return found
+
+
 def hub_functions() -> dict:
     """Every transformers hub function name some family serves, with its op: the families'
     ``TRANSFORMERS_HUB_FUNCTIONS`` tables (found through :mod:`torch_kernels.families`), merged."""
-    found = {}
-    for family, table in families.declared(HUB_DECLARATION).items():
-        for name, op in table.items():
-            if name in found:
-                raise ValueError(f"{HUB_DECLARATION}: {name!r} is declared by two families (the second: {family})")
-            found[name] = op
-    return found
+    return _merged(HUB_DECLARATION)
+
+
+# what a family declares for whole layers: {"<transformers module>.<layer class>": forward}, the
+# forward called as forward(module, original, implementation, *args, **kwargs) (original: the
+# class's own forward, for calls the ops do not describe), listing its ops in forward.ops and,
+# optionally, saying in forward.unsupported(module) why an instance cannot take it
+LAYER_DECLARATION = "TRANSFORMERS_LAYERS"
+
+
+def layer_forwards() -> dict:
+    """Every transformers layer class (by ``module.ClassName``) some family runs on its ops, with
+    the forward that does: the families' ``TRANSFORMERS_LAYERS`` tables, merged."""
+    return _merged(LAYER_DECLARATION)
 
 
 def _seq_idx(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -184,10 +202,29 @@ def _replacement_class(base: type, name: str, op, implementation: str | None) ->
     return _REPLACEMENTS[key]
 
 
+_LAYER_CLASSES: dict[tuple, type] = {}
+
+
+def _layer_class(base: type, forward, implementation: str | None) -> type:
+    """A subclass of the layer class ``base`` whose forward is the family's ``forward`` on
+    ``implementation`` (made once per (base, forward, implementation)); a layer instance takes it as
+    its ``__class__``, so other instances, and the class itself, stay as they were."""
+    key = (base, forward, implementation)
+    if key not in _LAYER_CLASSES:
+        def layer_forward(self, *args, **kwargs):
+            return forward(self, base.forward, implementation, *args, **kwargs)
+
+        _LAYER_CLASSES[key] = type(base.__name__, (base,), {
+            "forward": layer_forward, "__module__": __name__, "torch_kernels_base": base,
+            "torch_kernels_op": forward, "torch_kernels_implementation": implementation})
+    return _LAYER_CLASSES[key]
+
+
 @dataclasses.dataclass
 class KernelizeReport:
     """What :func:`kernelize` did to one model: ``replaced``, the names now running on torch_kernels
-    (hub function names, ``"experts"``, ``"attention"``), ``where`` each was replaced (module paths),
+    (hub function names, layer class names such as ``"DeepseekV3Attention"``, ``"experts"``,
+    ``"attention"``), ``where`` each was replaced (module paths),
     and ``not_replaced``, ``(name, why)`` for every hub-named function or layer, experts or attention
     path of the model left as it was. :meth:`undo` (or leaving it as a context manager) restores the
     model exactly."""
@@ -281,6 +318,26 @@ def _replace_hub_functions(model: nn.Module, implementation: str | None, report:
                                    "which every model shares, would route it")
 
 
+def _replace_layers(model: nn.Module, implementation: str | None, report: KernelizeReport) -> None:
+    """Each layer of a class some family declares in ``TRANSFORMERS_LAYERS`` takes the family's
+    forward (a per-instance subclass; a layer replaced before is replaced again from its base)."""
+    declared = layer_forwards()
+    for path, module in model.named_modules():
+        current = type(module)
+        base = getattr(current, "torch_kernels_base", current)
+        forward = declared.get(f"{base.__module__}.{base.__qualname__}")
+        if forward is None:
+            continue
+        missing = [f"{op.__name__}: {why}" for op in forward.ops if (why := _missing_kernels(op, implementation))]
+        unsupported = None if missing else getattr(forward, "unsupported", lambda m: None)(module)
+        if missing or unsupported:
+            report._skip(base.__name__, "; ".join(missing) or f"{path}: {unsupported}")
+            continue
+        module.__class__ = _layer_class(base, forward, implementation)
+        report._undo.append(functools.partial(setattr, module, "__class__", current))
+        report._add(base.__name__, path)
+
+
 def _implementations(config, attribute: str):
     """``config``'s ``attribute`` (``_attn_implementation``, ``_experts_implementation``) and those of its
     sub-configs, nested as transformers' setters take them back (``{"": own, sub-config key: ...}``)."""
@@ -338,6 +395,11 @@ def kernelize(model: nn.Module, implementation=None, *, experts: bool = True,
       functions (kernels' per-model routing). Those wrappers are swapped for wrappers running the
       ops; the module globals, and so every other model, stay untouched. A hub function called
       without such a listing is reported, not patched.
+    - Layers (every class a family declares in ``TRANSFORMERS_LAYERS``: DeepSeek-V3's, V3.2's and
+      Kimi Linear's multi-head latent attention): each instance takes a subclass whose forward
+      runs the family's ops (MLA in the latent space over a paged latent cache, V3.2's indexer
+      top-k); calls the ops do not describe (padded queries, packing masks, gradients) run the
+      layer's own forward, and a layer the family cannot take (a quantized ``kv_b_proj``) is reported.
     - Experts (``experts=True``): ``set_experts_implementation`` to ``fused_moe`` for this model
       (experts ``fused_moe`` does not describe keep transformers' path and are reported).
     - Attention: only with ``quantized_attention=True`` (it quantizes Q and K to int8, so it is not
@@ -356,6 +418,7 @@ def kernelize(model: nn.Module, implementation=None, *, experts: bool = True,
     report = KernelizeReport()
     try:
         _replace_hub_functions(model, implementation, report)
+        _replace_layers(model, implementation, report)
         if experts and hasattr(model, "set_experts_implementation"):
             _replace_experts(model, implementation, report)
         if quantized_attention:
