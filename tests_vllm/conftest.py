@@ -130,20 +130,26 @@ def multiprocess_run(engine_runs) -> dict:
     return engine_runs["multiprocess"]["jobs"][0]
 
 
-def _transformers_generate(model_dir: str, max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' ``generate`` (eager PyTorch) on a float32 model, one prompt at a time."""
+def _transformers_generate(model_dir: str, max_tokens: int, threads: int | None = None) -> list[list[int]]:
+    """Greedy tokens of transformers' ``generate`` (eager PyTorch) on a float32 model, one prompt
+    at a time, on ``threads`` torch threads (default: torch's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens = []
-    with torch.no_grad():
-        for prompt in workload.PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            tokens.append(out[0, ids.shape[1]:].tolist())
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        with torch.no_grad():
+            for prompt in workload.PROMPTS:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     do_sample=False, pad_token_id=tokenizer.eos_token_id)
+                tokens.append(out[0, ids.shape[1]:].tolist())
+    finally:
+        torch.set_num_threads(default_threads)
     return tokens
 
 
@@ -154,4 +160,5 @@ def transformers_tokens(smollm2_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def deepseek_v3_transformers_tokens(tiny_deepseek_v3_dir) -> list[list[int]]:
-    return _transformers_generate(tiny_deepseek_v3_dir, workload.MLA_MAX_TOKENS)
+    # a tiny model: one thread is quicker than several (about 15x on a busy 2-core machine)
+    return _transformers_generate(tiny_deepseek_v3_dir, workload.MLA_MAX_TOKENS, threads=1)
