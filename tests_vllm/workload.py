@@ -41,6 +41,9 @@ MAX_TOKENS = 24
 # other sequences' decodes; small blocks, so the shared prefix spans several of them.
 MAX_BATCHED_TOKENS = 64
 BLOCK_SIZE = 32
+# The MLA model: longer answers; blocks of 16, the only size vLLM's reference CPU MLA backend takes
+MLA_MAX_TOKENS = 32
+MLA_BLOCK_SIZE = 16
 
 
 def engine_args(dtype: str, **overrides) -> dict:

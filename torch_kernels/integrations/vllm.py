@@ -1,24 +1,28 @@
-"""vLLM plugin: torch_kernels' paged attention and fused MoE inside a vLLM engine, opt-in.
+"""vLLM plugin: torch_kernels' paged attention, MLA and fused MoE inside a vLLM engine, opt-in.
 
 Installing torch_kernels registers a ``vllm.general_plugins`` entry point, which vLLM calls in
 each of its processes (front end, engine core, workers). Installed alone it changes nothing: it
-adds an attention backend named ``TORCH_KERNELS`` to vLLM's registry and replaces nothing. A user
-selects it in one of two ways:
+adds attention backends named ``TORCH_KERNELS`` and ``TORCH_KERNELS_MLA`` to vLLM's registry and
+replaces nothing. A user selects them in one of two ways:
 
-- ``LLM(..., attention_backend="TORCH_KERNELS")`` (``--attention-backend TORCH_KERNELS``) on
-  platforms that honour the choice (CUDA, ROCm, XPU). vLLM's CPU platform ignores it and always
-  takes its own ``CPU_ATTN``;
-- ``TORCH_KERNELS_VLLM=1`` in the environment, on every platform: attention layers that are not
-  MLA take ``TORCH_KERNELS`` unless another backend was chosen explicitly (on CPU the plugin
-  takes ``CPU_ATTN``'s place), and unquantized MoE layers run :func:`torch_kernels.fused_moe`.
+- ``LLM(..., attention_backend="TORCH_KERNELS")`` (``"TORCH_KERNELS_MLA"`` for MLA models;
+  ``--attention-backend ...``) on platforms that honour the choice (CUDA, ROCm, XPU). vLLM's CPU
+  platform ignores it and always takes its own ``CPU_ATTN`` (``CPU_MLA`` or ``AMX_MLA``);
+- ``TORCH_KERNELS_VLLM=1`` in the environment, on every platform: attention layers take
+  ``TORCH_KERNELS`` (dense MLA layers ``TORCH_KERNELS_MLA``) unless another backend was chosen
+  explicitly (on CPU the plugin takes ``CPU_ATTN``'s, ``CPU_MLA``'s and ``AMX_MLA``'s places, and
+  keeps chunked prefill and prefix caching on for MLA models, which the CPU platform turns off
+  for its own MLA backend), and unquantized MoE layers run :func:`torch_kernels.fused_moe`.
 
 The attention backend reads and writes vLLM's own KV-cache tensor in place: each layer's cache is
 one tensor, logically ``[num_blocks, Hkv, block_size, 2 * D]`` (keys in the first ``D`` of the
 last dimension, values in the second), in whatever physical order vLLM chose; the key and value
 halves, permuted to the ops' ``[num_blocks, block_size, Hkv, D]``, are strided views of it, which
 :func:`torch_kernels.ragged_paged_attention` writes (the new tokens, fused into the call) and reads.
+The MLA backend does the same with vLLM's latent cache ``[num_blocks, block_size, Lr + R]``
+(:func:`torch_kernels.mla_reshape_and_cache`, then :func:`torch_kernels.ragged_paged_mla`).
 Per step, the metadata builder turns vLLM's batch description into the ops' arguments once; each
-layer then makes one op call.
+layer then makes one op call (two for MLA: the write, the attention).
 
 This module is the only one in torch_kernels that imports vLLM. It is tested with the versions in
 ``SUPPORTED_VLLM_VERSIONS``; selected under another version, it refuses with a message. (A vLLM
@@ -46,20 +50,26 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    MLAAttentionImpl,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from ..ops.mla import mla_reshape_and_cache, ragged_paged_mla
 from ..ops.moe import fused_moe
 from ..ops.paged_attention import ragged_paged_attention
 
-__all__ = ["ENV_VAR", "BACKEND_NAME", "SUPPORTED_VLLM_VERSIONS", "register", "selected_by_env", "check_vllm_version",
-           "TorchKernelsAttentionBackend", "TorchKernelsAttentionImpl", "TorchKernelsAttentionMetadata",
-           "TorchKernelsAttentionMetadataBuilder", "TorchKernelsFusedMoEMethod"]
+__all__ = ["ENV_VAR", "BACKEND_NAME", "MLA_BACKEND_NAME", "SUPPORTED_VLLM_VERSIONS", "register", "selected_by_env",
+           "check_vllm_version", "TorchKernelsAttentionBackend", "TorchKernelsAttentionImpl",
+           "TorchKernelsAttentionMetadata", "TorchKernelsAttentionMetadataBuilder", "TorchKernelsMLABackend",
+           "TorchKernelsMLAImpl", "TorchKernelsMLAMetadata", "TorchKernelsMLAMetadataBuilder",
+           "TorchKernelsFusedMoEMethod"]
 
 ENV_VAR = "TORCH_KERNELS_VLLM"
 BACKEND_NAME = "TORCH_KERNELS"
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 BACKEND_PATH = f"{__name__}.TorchKernelsAttentionBackend"
+MLA_BACKEND_NAME = "TORCH_KERNELS_MLA"
+MLA_BACKEND_PATH = f"{__name__}.TorchKernelsMLABackend"
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +100,24 @@ def check_vllm_version() -> None:
 
 
 def register() -> None:
-    """The entry point vLLM calls in each process. Adds the ``TORCH_KERNELS`` backend name (so
-    ``attention_backend="TORCH_KERNELS"`` parses); replaces vLLM's own classes only when
-    ``TORCH_KERNELS_VLLM=1``. Safe to call more than once."""
+    """The entry point vLLM calls in each process. Adds the ``TORCH_KERNELS`` and
+    ``TORCH_KERNELS_MLA`` backend names (so ``attention_backend=...`` parses); replaces vLLM's own
+    classes only when ``TORCH_KERNELS_VLLM=1``. Safe to call more than once."""
     env_selected = selected_by_env()
     if env_selected:
         check_vllm_version()
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+    for name, path in ((BACKEND_NAME, BACKEND_PATH), (MLA_BACKEND_NAME, MLA_BACKEND_PATH)):
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
     if not env_selected:
         return
     if current_platform.is_cpu():
-        # the CPU platform returns CPU_ATTN whatever was chosen; an override is its plug-in point
+        # the CPU platform returns CPU_ATTN (CPU_MLA or AMX_MLA for MLA layers) whatever was chosen;
+        # an override is its plug-in point
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        for mla in (AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA):
+            register_backend(mla, MLA_BACKEND_PATH)
+        _keep_mla_scheduling(type(current_platform))
     else:
         _prefer_torch_kernels(type(current_platform))
     if UnquantizedFusedMoEMethod.__name__ not in op_registry_oot:
@@ -110,19 +125,40 @@ def register() -> None:
 
 
 def _prefer_torch_kernels(platform_cls) -> None:
-    """Make ``TORCH_KERNELS`` the platform's choice for attention layers that are not MLA and
-    have no explicitly chosen backend; the platform still validates it (and says why not)."""
+    """Make ``TORCH_KERNELS`` (``TORCH_KERNELS_MLA`` for dense MLA layers) the platform's choice
+    for attention layers that have no explicitly chosen backend; the platform still validates it
+    (and says why not). Sparse MLA layers keep the platform's choice."""
     original = platform_cls.get_attn_backend_cls
     if getattr(original, "_torch_kernels", False):
         return
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if selected_backend is None and not attn_selector_config.use_mla:
-            selected_backend = AttentionBackendEnum[BACKEND_NAME]
+        if selected_backend is None and not attn_selector_config.use_sparse:
+            name = MLA_BACKEND_NAME if attn_selector_config.use_mla else BACKEND_NAME
+            selected_backend = AttentionBackendEnum[name]
         return original(selected_backend, attn_selector_config, num_heads)
 
     get_attn_backend_cls._torch_kernels = True
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _keep_mla_scheduling(platform_cls) -> None:
+    """Keep chunked prefill and prefix caching (and the step's token budget) as the user set them
+    for MLA models: the CPU platform turns them off for its reference MLA backend, whose prefill
+    cannot continue a cached prefix; ``TORCH_KERNELS_MLA`` runs any ragged batch."""
+    original = platform_cls.check_and_update_config
+    if getattr(original, "_torch_kernels", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        scheduler, cache, model = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
+        chosen = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, cache.enable_prefix_caching)
+        original(vllm_config)
+        if model is not None and model.use_mla:
+            scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, cache.enable_prefix_caching = chosen
+
+    check_and_update_config._torch_kernels = True
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 # ---- attention ----
@@ -191,17 +227,21 @@ class TorchKernelsAttentionMetadataBuilder(AttentionMetadataBuilder[TorchKernels
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchKernelsAttentionMetadata:
-        batch = common_attn_metadata
-        if batch.causal is not True:
-            raise NotImplementedError(f"{BACKEND_NAME} attention: non-causal batches")
-        pages = -(-batch.max_seq_len // self.block_size)  # max_seq_len is an upper bound: enough pages
-        return TorchKernelsAttentionMetadata(
-            num_actual_tokens=batch.num_actual_tokens,
-            cu_q_lens=batch.query_start_loc,
-            kv_lens=batch.seq_lens,
-            block_table=batch.block_table_tensor[:, :max(pages, 1)].contiguous(),
-            slot_mapping=batch.slot_mapping[:batch.num_actual_tokens],
-        )
+        return TorchKernelsAttentionMetadata(**_batch_fields(common_attn_metadata, self.block_size, BACKEND_NAME))
+
+
+def _batch_fields(batch: CommonAttentionMetadata, block_size: int, backend: str) -> dict:
+    """vLLM's description of a step's batch as the ops' arguments (TorchKernelsAttentionMetadata's fields)."""
+    if batch.causal is not True:
+        raise NotImplementedError(f"{backend} attention: non-causal batches")
+    pages = -(-batch.max_seq_len // block_size)  # max_seq_len is an upper bound: enough pages
+    return dict(
+        num_actual_tokens=batch.num_actual_tokens,
+        cu_q_lens=batch.query_start_loc,
+        kv_lens=batch.seq_lens,
+        block_table=batch.block_table_tensor[:, :max(pages, 1)].contiguous(),
+        slot_mapping=batch.slot_mapping[:batch.num_actual_tokens],
+    )
 
 
 class TorchKernelsAttentionImpl(AttentionImpl):
@@ -278,6 +318,147 @@ class TorchKernelsAttentionImpl(AttentionImpl):
             key=key[:rows] if writes else None, value=value[:rows] if writes else None,
             slot_mapping=attn_metadata.slot_mapping if writes else None)
         return output
+
+
+# ---- multi-head latent attention ----
+
+class TorchKernelsMLABackend(TorchKernelsAttentionBackend):
+    """vLLM's MLA attention (DeepSeek-V2/V3, Kimi K2) on :func:`torch_kernels.ragged_paged_mla`,
+    over vLLM's own latent cache, in place.
+
+    vLLM's MLA layer absorbs the up-projections around the backend's MQA call (``W_UK`` into the
+    queries before, ``W_UV`` into the output after) for the rows the metadata counts as decodes.
+    Here every row is one: prompts, prefill chunks and decodes of a step all run in the latent
+    space as one ragged batch, one ``ragged_paged_mla`` call per layer, so chunked prefill and
+    prefix caching need nothing else (vLLM's decompressing prefill path is never taken). The
+    layer writes the new latents first (:func:`torch_kernels.mla_reshape_and_cache`).
+
+    Supports: dense MLA, causal; any latent and RoPE sizes and head count; float16, bfloat16 and
+    float32 models; latent caches of the model's dtype or fp8 (e4m3 or e5m2, the layer's
+    per-tensor ``k_scale``); any block size. Not supported (refused at model construction):
+    sparse MLA (DeepSeek-V3.2's indexer), sliding window, KV sharing, encoder attention, decode
+    context parallelism. Dtypes and cache dtypes are declared as for ``TORCH_KERNELS``.
+    """
+
+    @staticmethod
+    def get_name() -> str:
+        return MLA_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchKernelsMLAImpl]:
+        return TorchKernelsMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchKernelsMLAMetadataBuilder]:
+        return TorchKernelsMLAMetadataBuilder
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class TorchKernelsMLAMetadata(TorchKernelsAttentionMetadata):
+    """One step's batch for MLA layers: the ops' arguments, and the counts vLLM's MLA layer splits
+    its rows by (all of them decodes: the absorbed path)."""
+
+    num_decodes: int = 0  # sequences
+    num_decode_tokens: int = 0  # rows
+    num_prefills: int = 0
+    prefill: None = None
+
+    @property
+    def decode(self) -> TorchKernelsMLAMetadata:
+        """The layer asserts that the decodes' part exists; it is the whole batch."""
+        return self
+
+
+class TorchKernelsMLAMetadataBuilder(AttentionMetadataBuilder[TorchKernelsMLAMetadata]):
+    """Builds :class:`TorchKernelsMLAMetadata` once per step (not per layer)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TorchKernelsMLAMetadata:
+        batch = common_attn_metadata
+        return TorchKernelsMLAMetadata(**_batch_fields(batch, self.block_size, MLA_BACKEND_NAME),
+                                       num_decodes=batch.num_reqs, num_decode_tokens=batch.num_actual_tokens)
+
+
+class TorchKernelsMLAImpl(MLAAttentionImpl):
+    """One MLA layer's attention: ``mla_reshape_and_cache`` writes the step's latents into vLLM's
+    cache, then one ``ragged_paged_mla`` call attends over it with the absorbed queries.
+    ``calls`` counts the attention calls."""
+
+    can_return_lse_for_decode = False
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, q_lora_rank=None, kv_lora_rank=None,
+                 qk_nope_head_dim=None, qk_rope_head_dim=None, qk_head_dim=None, v_head_dim=None, kv_b_proj=None,
+                 indexer=None, q_pad_num_heads=None, **extra_impl_args):
+        check_vllm_version()  # reached through attention_backend="TORCH_KERNELS_MLA" too
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.kv_cache_dtype = kv_cache_dtype
+        self.q_pad_num_heads = None  # the layer pads no heads for this backend
+        self.calls = 0
+        reasons = {
+            "sparse MLA (an indexer)": indexer is not None or extra_impl_args.get("topk_indices_buffer") is not None,
+            "sliding window": sliding_window is not None,
+            "ALiBi": alibi_slopes is not None,
+            "logit soft cap": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "KV sharing": kv_sharing_target_layer_name is not None,
+            "decode context parallelism": self.dcp_world_size > 1,
+            "a latent cache of another width than kv_lora_rank + qk_rope_head_dim":
+                kv_lora_rank is None or qk_rope_head_dim is None or head_size != kv_lora_rank + qk_rope_head_dim,
+            f"kv_cache_dtype {kv_cache_dtype}": not TorchKernelsMLABackend.supports_kv_cache_dtype(kv_cache_dtype),
+        }
+        combination = TorchKernelsMLABackend.supports_combination(
+            head_size, torch.get_default_dtype(), kv_cache_dtype, None, True, False, False, False, None)
+        unsupported = [reason for reason, applies in reasons.items() if applies] + [combination] * bool(combination)
+        if unsupported:
+            raise NotImplementedError(f"{MLA_BACKEND_NAME} attention cannot run this layer: "
+                                      f"{'; '.join(unsupported)} not supported. Unset {ENV_VAR} (and "
+                                      f"attention_backend) to use vLLM's own backend.")
+
+    def _cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's latent cache ``[num_blocks, block_size, Lr + R]`` as the ops take it: the same
+        memory, fp8 bytes as their float8 dtype."""
+        if self.kv_cache_dtype in FP8_CACHE_DTYPES:
+            return kv_cache.view(torch.uint8).view(FP8_CACHE_DTYPES[self.kv_cache_dtype])
+        return kv_cache
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        """Write the step's latents ``[T, Lr]`` and RoPE keys ``[T, 1, R]`` at their slots."""
+        if kv_cache.numel() == 0:  # vLLM's profiling run
+            return
+        rows = slot_mapping.numel()  # rows past it are padding
+        mla_reshape_and_cache(kv_c_normed[:rows], k_pe[:rows].squeeze(1), self._cache(kv_cache), slot_mapping.flatten(),
+                              scale=k_scale.float() if self.kv_cache_dtype in FP8_CACHE_DTYPES else None)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer) -> tuple[torch.Tensor, None]:
+        """Attention of the absorbed queries ``(q_nope [T, H, Lr], q_pe [T, H, R])`` (or their
+        concatenation) over the latent cache: ``[T, H, Lr]``, before ``W_UV``."""
+        if isinstance(q, tuple):
+            q_nope, q_pe = q
+        else:
+            q_nope, q_pe = q.split([self.kv_lora_rank, q.shape[-1] - self.kv_lora_rank], dim=-1)
+        self.calls += 1
+        quantized = self.kv_cache_dtype in FP8_CACHE_DTYPES
+        out = ragged_paged_mla(
+            q_nope, q_pe, self._cache(kv_c_and_k_pe_cache), attn_metadata.cu_q_lens, attn_metadata.kv_lens,
+            attn_metadata.block_table, self.scale, kv_scale=layer._k_scale.float() if quantized else None)
+        return out, None
 
 
 # ---- MoE ----
