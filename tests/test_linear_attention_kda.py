@@ -23,7 +23,7 @@ from test_linear_attention import assert_within, relative_rmse, with_grads
 
 CHUNK, RECURRENT = "chunk_kda", "fused_recurrent_kda"
 OPS = (CHUNK, RECURRENT)
-# every (backend, op) registered: the triton backend has the step-by-step form only
+# every (backend, op) registered (triton's chunk_kda: chunked forward, step-by-step backward kernels)
 OP_BACKENDS = [pytest.param(b, op, id=f"{b}-{op}") for op in OPS for b in backends.implementations(op)]
 
 
@@ -111,24 +111,38 @@ def test_matches_definition(backend, op, case):
 @pytest.mark.parametrize("backend, op", [p for p in OP_BACKENDS if p.values[0] != "pallas"])
 def test_strong_per_channel_decay_stays_exact(backend, op):
     """A quarter of the channels decay by -5 to -20 per step (exp(-1280) over a chunk), one by
-    -inf at a step (a reset of that channel): outputs, final states and every gradient equal the
-    float64 recurrence to float32 precision, with no inf or NaN anywhere. On the chunked form and
-    the hand-written backward kernels; pallas's step form is a JAX scan multiplying by exp(g_t)
-    and differentiated by JAX, with nothing a strong decay could cancel."""
+    -inf at some steps (a reset of that channel), one by -1e4 (real gates reach it) on the first
+    and last steps of chunks and of the 16-step blocks the chunked kernels split them in: outputs,
+    final states and every gradient equal the float64 recurrence to float32 precision, with no inf
+    or NaN anywhere. On the chunked forms and the hand-written backward kernels; pallas's step
+    form is a JAX scan multiplying by exp(g_t) and differentiated by JAX, with nothing a strong
+    decay could cancel."""
     require_backend(backend)
     x = make_inputs(length=80, heads=1, k_dim=16, v_dim=16, decay="strong", l2norm=False, seed=8)
-    x["g"][0, 70, 0, 3] = float("-inf")
+    x["g"][0, [16, 47, 70], 0, 3] = float("-inf")
+    x["g"][0, [0, 15, 16, 31, 32, 63, 64, 79], 0, 5] = -1e4
     x["beta"] = torch.ones_like(x["beta"])
     errors = errors_against_definition(op, x, backend)
     bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= 1e-5}
     assert not bad, f"relative RMSE above 1e-5: {bad}"
 
 
+@pytest.mark.parametrize("backend", backend_params(CHUNK))
+def test_bfloat16_inputs(backend):
+    """bfloat16 q, k, v (packed sequences, the in-op l2 norm): states and arithmetic stay float32;
+    against the definition on the same rounded inputs, o and the gradients rounded to bfloat16."""
+    require_backend(backend)
+    x = make_inputs(length=40, heads=1, k_dim=16, v_dim=16, cu_seqlens=[0, 17, 40], dtype=torch.bfloat16, seed=4)
+    errors = errors_against_definition(CHUNK, x, backend)
+    assert_within({n: e for n, e in errors.items() if n != "o"}, margin=1.0)
+    assert errors["o"] <= 1e-2
+
+
 @pytest.mark.parametrize("backend, op", [p for p in OP_BACKENDS if p.values[0] in ("reference", "triton")])
 def test_per_head_decay_broadcast_over_channels_is_gated_deltanet(backend, op):
     """KDA with the same decay on every channel is Gated DeltaNet (its special case), forward and
     backward (dg summed over the channels is Gated DeltaNet's dg), on the code the two share:
-    the reference's chunks, Triton's step kernels. (SYCL's and pallas's step forms differ from
+    the reference's chunks, Triton's chunk and step kernels. (SYCL's and pallas's step forms differ from
     their Gated DeltaNet ones in one line each; ``test_matches_definition`` covers them.)"""
     require_backend(backend)
     x = make_inputs(length=20, heads=2, k_dim=16, v_dim=16, seed=2)

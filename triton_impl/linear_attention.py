@@ -112,7 +112,7 @@ class Config:
     num_stages: int = 1
 
 
-KERNELS = ("wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
+KERNELS = ("channel_products", "wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
 
 
 def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int, k_dim: int, v_dim: int,
@@ -122,8 +122,8 @@ def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int,
     8-wide tf32 wgmma tiles on sm_90 (``arch`` None: taken as sm_90), which Triton from 3.6 on can
     read past their shared memory with (triton-lang/triton#10629): the float32 ``chunk_grad`` built
     so, all its dots m64n8k8, is where an H200 run hit an illegal memory access. The WY step's dots
-    are 32 rows (mma.sync) and the recurrent kernels have none."""
-    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "recurrent"):
+    are 32 rows and the per-channel products' 16 (mma.sync); the recurrent kernels have none."""
+    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "recurrent", "channel_products"):
         return False
     width = min(block_k, _padded(k_dim)) if kernel == "chunk_grad" else min(block_v, _padded(v_dim))
     return width < 32
@@ -156,6 +156,8 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
         return Config(block_v=min(64 if interpreted else 16, padded_v), num_warps=4, num_stages=2)
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    if kernel == "channel_products":  # [SB, SB] dots; its diagonal blocks hold [SB, SB, BK] tiles
+        return Config(block_v=16, block_k=64 if interpreted else 16, num_warps=4, num_stages=1)
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
@@ -227,6 +229,16 @@ def _decay(g, t_ok, s_ok, STRICT: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _channel_gates(g_ptr, rows, end, head, HEADS: tl.constexpr, dims, k_ok, K: tl.constexpr, N: tl.constexpr):
+    """:func:`_chunk_gates` of a per-channel decay (``[tokens, HEADS, K]``) for channels ``dims``:
+    ``(g, b, to_end)``, each ``[N, len(dims)]`` and summed over its own steps per channel."""
+    g = _rows(g_ptr, rows, rows < end, head, HEADS, dims, k_ok, K)
+    after_ok = (rows + 1 < end) & (tl.arange(0, N) < N - 1)
+    after = _rows(g_ptr, rows + 1, after_ok, head, HEADS, dims, k_ok, K)
+    return g, tl.cumsum(g, axis=0), tl.cumsum(after, axis=0, reverse=True)
+
+
+@triton.jit
 def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
     n = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
@@ -264,15 +276,74 @@ def _unit_lower_inverse(a, SB: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def channel_products_kernel(
+    q_ptr, k_ptr, g_ptr, pqk_ptr, pkk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+):
+    """A per-channel decay's ``P(Q, K)`` and ``P(K, K)`` (``sum_c X_tc K_sc D_tsc``, ``s <= t``) of
+    chunk ``program_id(0)``, value head ``program_id(1)``: the ``[SB, SB]`` block of row sub-chunk
+    ``i`` and column sub-chunk ``j <= i`` numbered ``program_id(2)`` (``C/SB (C/SB + 1) / 2`` of
+    them), to ``[tokens, HV, C]`` rows as ``T``; blocks above the diagonal are not written (module
+    docstring, Kimi Delta Attention)."""
+    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
+    hv = tl.program_id(1)
+    kh = hv // (HV // H)
+    pair = tl.program_id(2)
+    i = 0
+    for m in tl.static_range(1, C // SB):  # pair = i (i + 1) / 2 + j
+        i += (pair >= m * (m + 1) // 2).to(tl.int32)
+    j = pair - i * (i + 1) // 2
+    idx = tl.arange(0, SB)
+    rows_i = t0 + i * SB + idx
+    rows_j = t0 + j * SB + idx
+    ok_i = rows_i < end
+    ok_j = rows_j < end
+    lower = idx[:, None] >= idx[None, :]
+    pqk = tl.zeros([SB, SB], tl.float32)
+    pkk = tl.zeros([SB, SB], tl.float32)
+    for k0 in range(0, K, BK):
+        dims = k0 + tl.arange(0, BK)
+        k_ok = dims < K
+        q_i = _rows(q_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_i = _rows(k_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_j = _rows(k_ptr, rows_j, ok_j, kh, H, dims, k_ok, K)
+        g_i = _rows(g_ptr, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        if i == j:
+            # D_tsc = exp(g_{s+1,c} + ... + g_{t,c}) summed directly: a [SB, SB, BK] tile
+            segment = tl.cumsum(tl.where((idx[:, None] > idx[None, :])[:, :, None], g_i[:, None, :], 0.0), axis=0)
+            k_decayed = tl.where(lower[:, :, None], tl.exp(segment), 0.0) * k_j[None, :, :]
+            pqk += tl.sum(q_i[:, None, :] * k_decayed, axis=2)
+            pkk += tl.sum(k_i[:, None, :] * k_decayed, axis=2)
+        else:
+            # through step r, the last of sub-chunk i - 1: D_tsc = exp(b_tc - b_rc) exp(b_rc - b_sc),
+            # g_{r+1} + ... + g_t over sub-chunk i and g_{s+1} + ... + g_r from sub-chunk j to r,
+            # both <= 0, so the product is one matmul and neither factor can overflow
+            after_ok = (rows_j + 1 < end) & (idx < SB - 1)
+            to_r = tl.cumsum(_rows(g_ptr, rows_j + 1, after_ok, hv, HV, dims, k_ok, K), axis=0, reverse=True)
+            for m in range(j + 1, i):  # the whole sub-chunks between
+                rows_m = t0 + m * SB + idx
+                to_r += tl.sum(_rows(g_ptr, rows_m, rows_m < end, hv, HV, dims, k_ok, K), axis=0)[None, :]
+            k_from = k_j * tl.exp(to_r)
+            from_r = tl.exp(tl.cumsum(g_i, axis=0))
+            pqk += dot_tf32x3(q_i * from_r, tl.trans(k_from))
+            pkk += dot_tf32x3(k_i * from_r, tl.trans(k_from))
+    cols = j * SB + idx
+    _store_rows(pqk_ptr, pqk, rows_i, ok_i, hv, HV, cols, cols < C, C)
+    _store_rows(pkk_ptr, pkk, rows_i, ok_i, hv, HV, cols, cols < C, C)
+
+
+@triton.jit
 def wy_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, pkk_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, STORE_T: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
     """``T``, ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K`` of chunk ``program_id(0)``
     and value head ``program_id(1)`` (module docstring, step 1), in the chunk's two halves of
     ``C / 2`` rows: ``[C, C]`` float32 tiles, whose tf32x3 operands sm_80's mma.sync holds over the
-    whole product depth, spilled registers; halves do not."""
+    whole product depth, spilled registers; halves do not. PER_CHANNEL: ``D * K K^T`` is ``P(K, K)``
+    from :func:`channel_products_kernel` (``pkk``) and ``exp(b)`` is per channel."""
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -283,20 +354,26 @@ def wy_kernel(
     ok1 = rows1 < end
     ok2 = rows2 < end
     # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]]
-    kk11 = tl.zeros([HALF, HALF], tl.float32)
-    kk21 = tl.zeros([HALF, HALF], tl.float32)
-    kk22 = tl.zeros([HALF, HALF], tl.float32)
-    for k0 in range(0, K, BK):
-        dims = k0 + tl.arange(0, BK)
-        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
-        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
-        kk11 += dot_tf32x3(k1, tl.trans(k1))
-        kk21 += dot_tf32x3(k2, tl.trans(k1))
-        kk22 += dot_tf32x3(k2, tl.trans(k2))
+    if PER_CHANNEL:  # the decay is inside these already: the per-head gates below are 0 (D = 1)
+        kk11 = _rows(pkk_ptr, rows1, ok1, hv, HV, steps, steps < HALF, C)
+        kk21 = _rows(pkk_ptr, rows2, ok2, hv, HV, steps, steps < HALF, C)
+        kk22 = _rows(pkk_ptr, rows2, ok2, hv, HV, HALF + steps, steps < HALF, C)
+    else:
+        kk11 = tl.zeros([HALF, HALF], tl.float32)
+        kk21 = tl.zeros([HALF, HALF], tl.float32)
+        kk22 = tl.zeros([HALF, HALF], tl.float32)
+        for k0 in range(0, K, BK):
+            dims = k0 + tl.arange(0, BK)
+            k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
+            k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
+            kk11 += dot_tf32x3(k1, tl.trans(k1))
+            kk21 += dot_tf32x3(k2, tl.trans(k1))
+            kk22 += dot_tf32x3(k2, tl.trans(k2))
     beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
     beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
-    g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
-    g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HAS_G, HALF)
+    HEAD_G: tl.constexpr = HAS_G and not PER_CHANNEL
+    g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HEAD_G, HALF)
+    g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HEAD_G, HALF)
     # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
     across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
     b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
@@ -312,8 +389,16 @@ def wy_kernel(
     for k0 in range(0, K, BK):
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
-        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * (beta1 * tl.exp(b1))[:, None]
-        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * (beta2 * tl.exp(b2))[:, None]
+        if PER_CHANNEL:
+            gk1, bk1, _ = _channel_gates(g_ptr, rows1, end, hv, HV, dims, k_ok, K, HALF)
+            _, bk2, _ = _channel_gates(g_ptr, rows2, end, hv, HV, dims, k_ok, K, HALF)
+            decay1 = tl.exp(bk1)
+            decay2 = tl.exp(bk2 + tl.sum(gk1, axis=0)[None, :])  # from the chunk's start: gates of one sign
+        else:
+            decay1 = tl.exp(b1)[:, None]
+            decay2 = tl.exp(b2)[:, None]
+        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * beta1[:, None] * decay1
+        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * beta2[:, None] * decay2
         _store_rows(wk_ptr, dot_tf32x3(t11, k1), rows1, ok1, hv, HV, dims, k_ok, K)
         _store_rows(wk_ptr, dot_tf32x3(t21, k1) + dot_tf32x3(t22, k2), rows2, ok2, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
@@ -342,11 +427,12 @@ def chunk_state_kernel(
     k_ptr, v_ptr, g_ptr, u_ptr, wk_ptr, h0_ptr, h_ptr, ht_ptr, cu_ptr, first_chunk_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, DELTA: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 2): each chunk's start state to ``h``, ``W = U - Wk S0``
-    over ``U`` (delta rule; else ``W = V``), the final state to ``ht``."""
+    over ``U`` (delta rule; else ``W = V``), the final state to ``ht``. PER_CHANNEL: row c of the
+    state decays by channel c's gates."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -374,7 +460,7 @@ def chunk_state_kernel(
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        g, _, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        g, _, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G and not PER_CHANNEL, C)
         tl.debug_barrier()  # the state, stored by every thread, is read back by others
         if DELTA:
             w = _rows(u_ptr, rows, ok, hv, HV, cols, v_ok, V)
@@ -389,20 +475,28 @@ def chunk_state_kernel(
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
-            k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * end_decay[:, None]
-            updated = chunk_decay * _state_block(state, block, cols, K, V) + dot_tf32x3(tl.trans(k_decayed), w)
+            if PER_CHANNEL:
+                gk, _, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                block_decay = _exp(tl.sum(gk, axis=0), ACCURATE_EXP)[:, None]
+                k_end_decay = tl.where(ok[:, None], tl.exp(to_end_k), 0.0)
+            else:
+                block_decay = chunk_decay
+                k_end_decay = end_decay[:, None]
+            k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * k_end_decay
+            updated = block_decay * _state_block(state, block, cols, K, V) + dot_tf32x3(tl.trans(k_decayed), w)
             _store_state_block(following, updated, block, cols, K, V)
         state = following
 
 
 @triton.jit
 def chunk_output_kernel(
-    q_ptr, k_ptr, w_ptr, g_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
+    q_ptr, k_ptr, w_ptr, g_ptr, pqk_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, SIXTEEN_BIT: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, SIXTEEN_BIT: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` of chunk ``program_id(0)``, value head
-    ``program_id(1)``, V block ``program_id(2)``."""
+    ``program_id(1)``, V block ``program_id(2)``; PER_CHANNEL: ``O = scale ((Q * exp(b)) S0 + P(Q, K)
+    W)``, ``P(Q, K)`` from :func:`channel_products_kernel` (``pqk``)."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -419,13 +513,22 @@ def chunk_output_kernel(
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
         q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-        qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
         state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        qs += dot_tf32x3(q, state)
-    g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        if PER_CHANNEL:
+            _, bk, _ = _channel_gates(g_ptr, rows, end, hv, HV, dims, k_ok, K, C)
+            qs += dot_tf32x3(q * tl.exp(bk), state)
+        else:
+            qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
+            qs += dot_tf32x3(q, state)
     w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-    o = scale * (tl.exp(b)[:, None] * qs + dot_tf32x3(qk * _decay(g, ok, ok, False, C), w))
+    if PER_CHANNEL:
+        steps = tl.arange(0, C)
+        pqk = _rows(pqk_ptr, rows, ok, hv, HV, steps, steps < C, C)
+        o = scale * (qs + dot_tf32x3(tl.where(steps[:, None] >= steps[None, :], pqk, 0.0), w))
+    else:
+        g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        o = scale * (tl.exp(b)[:, None] * qs + dot_tf32x3(qk * _decay(g, ok, ok, False, C), w))
     _store_rows(o_ptr, o, rows, ok, hv, HV, cols, v_ok, V)
 
 
@@ -828,7 +931,7 @@ class _Problem:
     q: torch.Tensor  # [tokens, H, K] (l2-normalized when asked)
     k: torch.Tensor
     v: torch.Tensor  # [tokens, HV, V]
-    g: torch.Tensor | None  # [tokens, HV] float32, or [tokens, HV, K] per channel (recurrent kernels only)
+    g: torch.Tensor | None  # [tokens, HV] float32, or [tokens, HV, K] per channel
     beta: torch.Tensor | None
     h0: torch.Tensor | None  # [N, HV, K, V] float32
     cu: torch.Tensor  # [N + 1] int32
@@ -872,7 +975,8 @@ class _Problem:
         if self.rerun is None:
             return default_config(*sizes)
         key = dict(tokens=tokens, seqs=self.num_seqs, heads=heads, value_heads=value_heads, k=k_dim, v=v_dim,
-                   dtype=self.v.dtype, gated=self.g is not None, delta=self.beta is not None)
+                   dtype=self.v.dtype, gated=self.g is not None, delta=self.beta is not None,
+                   per_channel=self.per_channel)
         return autotune.choose(f"linear_attention.{kernel}", self.q.device, key, lambda: default_config(*sizes),
                                lambda: config_space(*sizes), self.rerun)
 
@@ -967,28 +1071,36 @@ def _chunks(cu: torch.Tensor):
 
 
 def _chunk_recompute(x: _Problem, store_t: bool):
-    """Steps 1-2 of the module docstring: (T, W, Wk, chunk start states, final states, chunk tables)."""
+    """Steps 1-2 of the module docstring: (T, W, Wk, P(Q, K) of a per-channel decay, chunk start
+    states, final states, chunk tables)."""
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     chunk_seq, chunk_start, first_chunk, num_chunks = _chunks(x.cu)
     f32 = dict(dtype=torch.float32, device=device)
-    t_inv = w = wk = None
+    t_inv = w = wk = pqk = pkk = None
+    if x.per_channel and num_chunks:  # P(Q, K) and P(K, K), the blocks on and below the diagonal
+        pqk = torch.empty(tokens, value_heads, CHUNK, **f32)
+        pkk = torch.empty(tokens, value_heads, CHUNK, **f32)
+        blocks = CHUNK // SUB
+        x.launch(channel_products_kernel, x.config("channel_products"),
+                 (num_chunks, value_heads, blocks * (blocks + 1) // 2), x.q, x.k, x.g, pqk, pkk, chunk_seq,
+                 chunk_start, x.cu)
     if x.beta is not None:
         w = torch.empty(tokens, value_heads, v_dim, **f32)  # U, then W in place
         wk = torch.empty(tokens, value_heads, k_dim, **f32)
         t_inv = torch.empty(tokens, value_heads, CHUNK, **f32) if store_t else w
         if num_chunks:
             x.launch(wy_kernel, x.config("wy"), (num_chunks, value_heads),
-                     x.k, x.v, _or(x.g, x.beta), x.beta, t_inv, w, wk, chunk_seq, chunk_start, x.cu,
-                     HAS_G=x.g is not None, STORE_T=store_t)
+                     x.k, x.v, _or(x.g, x.beta), x.beta, _or(pkk, w), t_inv, w, wk, chunk_seq, chunk_start, x.cu,
+                     HAS_G=x.g is not None, STORE_T=store_t, PER_CHANNEL=x.per_channel)
     h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     config = x.config("chunk_state")
     x.launch(chunk_state_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.k, x.v, _or(x.g, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk,
              HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None,
-             ACCURATE_EXP=not x.interpreted)
-    return t_inv, _or(w, x.v), wk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
+             ACCURATE_EXP=not x.interpreted, PER_CHANNEL=x.per_channel)
+    return t_inv, _or(w, x.v), wk, pqk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
 
 
 def _or(t, placeholder):
@@ -1003,13 +1115,13 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     x.rerun = functools.partial(chunk_forward, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
-    _, w, _, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
+    _, w, _, pqk, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
     o = torch.empty_like(x.v)
     if num_chunks:
         config = x.config("chunk_output")
         x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
-                 x.q, x.k, w, _or(x.g, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None,
-                 SIXTEEN_BIT=x.low_qk)
+                 x.q, x.k, w, _or(x.g, x.k), _or(pqk, h), h, o, chunk_seq, chunk_start, x.cu, scale,
+                 HAS_G=x.g is not None, SIXTEEN_BIT=x.low_qk, PER_CHANNEL=x.per_channel)
     return o.view(v.shape), ht
 
 
@@ -1033,12 +1145,14 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     """The chunked kernels' backward: ``(dq, dk, dv, dg, dbeta, dh0)`` (float32; None for an absent
     ``g``, ``beta`` or ``initial_state``), chunk states recomputed from the inputs."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    if x.per_channel:  # chunk_kda's backward is recurrent_backward (torch_kernels.ops.linear_attention)
+        raise NotImplementedError("triton: the chunked backward takes a per-head decay only")
     x.rerun = functools.partial(chunk_backward, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                 use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     delta = x.beta is not None
-    t_inv, w, wk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
+    t_inv, w, wk, _, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
     do = do.reshape(tokens, value_heads, v_dim).contiguous()
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
