@@ -112,7 +112,8 @@ class Config:
     num_stages: int = 1
 
 
-KERNELS = ("channel_products", "wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
+KERNELS = ("channel_products", "wy", "wy_per_channel", "chunk_state", "chunk_output", "chunk_state_backward",
+           "chunk_grad_pairs", "chunk_grad", "recurrent")
 
 
 def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int, k_dim: int, v_dim: int,
@@ -123,7 +124,8 @@ def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int,
     read past their shared memory with (triton-lang/triton#10629): the float32 ``chunk_grad`` built
     so, all its dots m64n8k8, is where an H200 run hit an illegal memory access. The WY step's dots
     are 32 rows and the per-channel products' 16 (mma.sync); the recurrent kernels have none."""
-    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "recurrent", "channel_products"):
+    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "wy_per_channel", "recurrent",
+                                                                       "channel_products"):
         return False
     width = min(block_k, _padded(k_dim)) if kernel == "chunk_grad" else min(block_v, _padded(v_dim))
     return width < 32
@@ -147,9 +149,11 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     wide (the state backward, ``dq``/``dk``, the ``[C, C]`` gradients, any at V <= 16) takes 4 warps,
     as 8 would split them into 8-wide tf32 wgmma tiles (:func:`_splits_narrow_dots`), and the
     ``[C, C]`` gradients one stage (two spilled there); the WY step takes 4 warps for 16-bit inputs (8
-    spilled) and 8 for float32 (4 spilled). The interpreter, whose cost is per program and step,
-    takes 64-wide tiles. The recurrent form takes narrow V blocks on a GPU (16: more programs, and at
-    32 a float16 state of K = 128 spilled).
+    spilled) and 8 for float32 (4 spilled), and 8 for a per-channel decay (``wy_per_channel``, which
+    reads ``P(K, K)``: 4 spilled on sm_90). Kimi Delta Attention's block products take 16-wide K
+    blocks (their diagonal blocks hold ``[16, 16, BK]`` tiles) and 4 warps. The interpreter, whose
+    cost is per program and step, takes 64-wide tiles. The recurrent form takes narrow V blocks on a
+    GPU (16: more programs, and at 32 a float16 state of K = 128 spilled).
     """
     padded_v = max(16, triton.next_power_of_2(v_dim))
     if kernel == "recurrent":
@@ -161,13 +165,16 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    block_v = {"chunk_grad_pairs": 16, "wy": 16, "chunk_state_backward": 16}.get(kernel, 32)
-    block_k = 16 if kernel in ("chunk_grad", "wy") or (kernel == "chunk_state_backward" and not wide) else 32
+    block_v = {"chunk_grad_pairs": 16, "wy": 16, "wy_per_channel": 16, "chunk_state_backward": 16}.get(kernel, 32)
+    block_k = 16 if kernel in ("chunk_grad", "wy", "wy_per_channel") or (
+        kernel == "chunk_state_backward" and not wide) else 32
     hopper = arch is None or arch >= 90
-    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy") or hopper and \
-        kernel == "chunk_grad_pairs" else 2
+    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy", "wy_per_channel") or \
+        hopper and kernel == "chunk_grad_pairs" else 2
     if kernel == "wy":
         warps = 8 if wide else 4
+    elif kernel == "wy_per_channel":
+        warps = 8
     else:
         warps = 4 if _splits_narrow_dots(kernel, block_k, block_v, 8, k_dim, v_dim, arch) else 8
     return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
@@ -290,8 +297,8 @@ def channel_products_kernel(
     kh = hv // (HV // H)
     pair = tl.program_id(2)
     i = 0
-    for m in tl.static_range(1, C // SB):  # pair = i (i + 1) / 2 + j
-        i += (pair >= m * (m + 1) // 2).to(tl.int32)
+    for level in tl.static_range(1, C // SB):  # pair = i (i + 1) / 2 + j
+        i += (pair >= level * (level + 1) // 2).to(tl.int32)
     j = pair - i * (i + 1) // 2
     idx = tl.arange(0, SB)
     rows_i = t0 + i * SB + idx
@@ -353,11 +360,17 @@ def wy_kernel(
     rows2 = rows1 + HALF
     ok1 = rows1 < end
     ok2 = rows2 < end
-    # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]]
-    if PER_CHANNEL:  # the decay is inside these already: the per-head gates below are 0 (D = 1)
+    # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]];
+    # T = [[T11, 0], [T21, T22]]: T11 = (I + A11)^-1, T22 = (I + A22)^-1, T21 = -T22 A21 T11
+    if PER_CHANNEL:  # D * K K^T is P(K, K), each block read where it is needed (the inverses hold 255 registers)
+        beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
+        beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
+        strict = steps[:, None] > steps[None, :]
         kk11 = _rows(pkk_ptr, rows1, ok1, hv, HV, steps, steps < HALF, C)
-        kk21 = _rows(pkk_ptr, rows2, ok2, hv, HV, steps, steps < HALF, C)
+        t11 = _unit_lower_inverse(tl.where(strict, beta1[:, None] * kk11, 0.0), SB, HALF)
         kk22 = _rows(pkk_ptr, rows2, ok2, hv, HV, HALF + steps, steps < HALF, C)
+        t22 = _unit_lower_inverse(tl.where(strict, beta2[:, None] * kk22, 0.0), SB, HALF)
+        a21 = beta2[:, None] * _rows(pkk_ptr, rows2, ok2, hv, HV, steps, steps < HALF, C)
     else:
         kk11 = tl.zeros([HALF, HALF], tl.float32)
         kk21 = tl.zeros([HALF, HALF], tl.float32)
@@ -369,18 +382,17 @@ def wy_kernel(
             kk11 += dot_tf32x3(k1, tl.trans(k1))
             kk21 += dot_tf32x3(k2, tl.trans(k1))
             kk22 += dot_tf32x3(k2, tl.trans(k2))
-    beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
-    beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
-    HEAD_G: tl.constexpr = HAS_G and not PER_CHANNEL
-    g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HEAD_G, HALF)
-    g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HEAD_G, HALF)
-    # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
-    across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
-    b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
-    # T = [[T11, 0], [T21, T22]]: T11 = (I + A11)^-1, T22 = (I + A22)^-1, T21 = -T22 A21 T11
-    t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
-    t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
-    t21 = -dot_tf32x3(t22, dot_tf32x3(beta2[:, None] * across * kk21, t11))
+        beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
+        beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
+        g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
+        g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HAS_G, HALF)
+        # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
+        across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
+        b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
+        t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
+        t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
+        a21 = beta2[:, None] * across * kk21
+    t21 = -dot_tf32x3(t22, dot_tf32x3(a21, t11))
     if STORE_T:
         _store_rows(t_ptr, t11, rows1, ok1, hv, HV, steps, steps < HALF, C)
         _store_rows(t_ptr, tl.zeros([HALF, HALF], tl.float32), rows1, ok1, hv, HV, HALF + steps, steps < HALF, C)
@@ -390,8 +402,8 @@ def wy_kernel(
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
         if PER_CHANNEL:
-            gk1, bk1, _ = _channel_gates(g_ptr, rows1, end, hv, HV, dims, k_ok, K, HALF)
-            _, bk2, _ = _channel_gates(g_ptr, rows2, end, hv, HV, dims, k_ok, K, HALF)
+            gk1, bk1, to_end_k1 = _channel_gates(g_ptr, rows1, end, hv, HV, dims, k_ok, K, HALF)
+            gk2, bk2, to_end_k2 = _channel_gates(g_ptr, rows2, end, hv, HV, dims, k_ok, K, HALF)
             decay1 = tl.exp(bk1)
             decay2 = tl.exp(bk2 + tl.sum(gk1, axis=0)[None, :])  # from the chunk's start: gates of one sign
         else:
@@ -476,7 +488,7 @@ def chunk_state_kernel(
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             if PER_CHANNEL:
-                gk, _, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
                 block_decay = _exp(tl.sum(gk, axis=0), ACCURATE_EXP)[:, None]
                 k_end_decay = tl.where(ok[:, None], tl.exp(to_end_k), 0.0)
             else:
@@ -516,7 +528,7 @@ def chunk_output_kernel(
         state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         if PER_CHANNEL:
-            _, bk, _ = _channel_gates(g_ptr, rows, end, hv, HV, dims, k_ok, K, C)
+            gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, dims, k_ok, K, C)
             qs += dot_tf32x3(q * tl.exp(bk), state)
         else:
             qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
@@ -1090,7 +1102,7 @@ def _chunk_recompute(x: _Problem, store_t: bool):
         wk = torch.empty(tokens, value_heads, k_dim, **f32)
         t_inv = torch.empty(tokens, value_heads, CHUNK, **f32) if store_t else w
         if num_chunks:
-            x.launch(wy_kernel, x.config("wy"), (num_chunks, value_heads),
+            x.launch(wy_kernel, x.config("wy_per_channel" if x.per_channel else "wy"), (num_chunks, value_heads),
                      x.k, x.v, _or(x.g, x.beta), x.beta, _or(pkk, w), t_inv, w, wk, chunk_seq, chunk_start, x.cu,
                      HAS_G=x.g is not None, STORE_T=store_t, PER_CHANNEL=x.per_channel)
     h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
@@ -1261,7 +1273,8 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     return _finish(x, dq.sum(0), dk, dv, dg, None if dbeta is None else dbeta.sum(0), dh0, initial_state is not None)
 
 
-RECURRENT_KERNELS = (recurrent_kernel, recurrent_backward_kernel)
+# the kernels with a PER_CHANNEL flag
+PER_CHANNEL_KERNELS = (wy_kernel, chunk_state_kernel, chunk_output_kernel, recurrent_kernel, recurrent_backward_kernel)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INDEX_POINTERS = ("cu_ptr", "chunk_seq_ptr", "chunk_start_ptr", "first_chunk_ptr")
 _INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr")
@@ -1294,13 +1307,15 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
     """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
     (Qwen3-Next-like head sizes by default) at its default config for compute capability ``arch``,
     to build ahead of time for inputs of ``dtype``; ``per_channel`` (with ``delta``) adds the
-    step-by-step kernels' builds for a per-channel decay (Kimi Delta Attention)."""
+    builds for a per-channel decay (Kimi Delta Attention): its products kernel, and the chunked
+    forward's and the step-by-step kernels with PER_CHANNEL."""
     low = _low_precision(dtype, interpreted=False)
     accurate = dict(ACCURATE_EXP=True)
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
-        ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_G=True, HAS_H0=True, DELTA=delta, **accurate),
+        ("chunk_state", chunk_state_kernel, "chunk_state",
+         dict(HAS_G=True, HAS_H0=True, DELTA=delta, PER_CHANNEL=False, **accurate), True, None),
+        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low, PER_CHANNEL=False),
          True, None),
-        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low), True, None),
         ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
          dict(HAS_G=True, HAS_DHT=True, DELTA=delta, **accurate), True, None),
         ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs",
@@ -1311,7 +1326,7 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
          dict(HAS_G=True, DELTA=delta, HAS_DHT=True, PER_CHANNEL=False, **accurate), False, None),
     ]
     if delta:
-        cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True), True, None))
+        cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True, PER_CHANNEL=False), True, None))
     for writes, out_type in ((WRITES_OUTPUTS, "*" + _TRITON_TYPES[dtype]), (WRITES_ERRORS, "*fp32"),
                              (WRITES_READ_GRADIENTS, "*fp32")):
         if writes is not WRITES_ERRORS or delta:
@@ -1319,8 +1334,10 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
                           dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True,
                                PER_CHANNEL=False, **accurate), False, out_type))
     if delta and per_channel:
-        cases += [(f"{name}_per_channel", kernel, config, {**flags, "PER_CHANNEL": True}, dots, out_type)
-                  for name, kernel, config, flags, dots, out_type in cases if kernel in RECURRENT_KERNELS]
+        cases += [(f"{name}_per_channel", kernel, "wy_per_channel" if kernel is wy_kernel else config,
+                   {**flags, "PER_CHANNEL": True}, dots, out_type)
+                  for name, kernel, config, flags, dots, out_type in cases if kernel in PER_CHANNEL_KERNELS]
+        cases.append(("channel_products", channel_products_kernel, "channel_products", {}, True, None))
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)
