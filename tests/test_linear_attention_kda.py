@@ -23,7 +23,7 @@ from test_linear_attention import assert_within, relative_rmse, with_grads
 
 CHUNK, RECURRENT = "chunk_kda", "fused_recurrent_kda"
 OPS = (CHUNK, RECURRENT)
-# every (backend, op) registered (triton's chunk_kda: chunked forward, step-by-step backward kernels)
+# every (backend, op) registered
 OP_BACKENDS = [pytest.param(b, op, id=f"{b}-{op}") for op in OPS for b in backends.implementations(op)]
 
 

@@ -113,7 +113,7 @@ class Config:
 
 
 KERNELS = ("channel_products", "wy", "wy_per_channel", "chunk_state", "chunk_output", "chunk_state_backward",
-           "chunk_grad_pairs", "chunk_grad", "recurrent")
+           "chunk_state_backward_per_channel", "chunk_grad_pairs", "chunk_grad", "chunk_grad_channel", "recurrent")
 
 
 def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int, k_dim: int, v_dim: int,
@@ -123,9 +123,9 @@ def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int,
     8-wide tf32 wgmma tiles on sm_90 (``arch`` None: taken as sm_90), which Triton from 3.6 on can
     read past their shared memory with (triton-lang/triton#10629): the float32 ``chunk_grad`` built
     so, all its dots m64n8k8, is where an H200 run hit an illegal memory access. The WY step's dots
-    are 32 rows and the per-channel products' 16 (mma.sync); the recurrent kernels have none."""
-    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "wy_per_channel", "recurrent",
-                                                                       "channel_products"):
+    are 32 rows and the per-channel kernels' 16 (mma.sync); the recurrent kernels have none."""
+    if (arch is not None and arch < 90) or num_warps < 8 or kernel in (
+            "wy", "wy_per_channel", "recurrent", "channel_products", "chunk_grad_channel"):
         return False
     width = min(block_k, _padded(k_dim)) if kernel == "chunk_grad" else min(block_v, _padded(v_dim))
     return width < 32
@@ -162,6 +162,12 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "channel_products":  # [SB, SB] dots; its diagonal blocks hold [SB, SB, BK] tiles
         return Config(block_v=16, block_k=64 if interpreted else 16, num_warps=4, num_stages=1)
+    if kernel == "chunk_state_backward_per_channel" and not interpreted:  # 8 warps: 4 spilled on sm_90
+        warps = 4 if _splits_narrow_dots(kernel, 16, 32, 8, k_dim, v_dim, arch) else 8
+        return Config(block_v=min(32, padded_v), block_k=16, num_warps=warps, num_stages=1)
+    if kernel == "chunk_grad_channel":  # SB-row dots
+        return Config(block_v=min(64 if interpreted else 16, padded_v), block_k=64 if interpreted else 16,
+                      num_warps=4, num_stages=1)
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
@@ -367,9 +373,9 @@ def wy_kernel(
         beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
         strict = steps[:, None] > steps[None, :]
         kk11 = _rows(pkk_ptr, rows1, ok1, hv, HV, steps, steps < HALF, C)
-        t11 = _unit_lower_inverse(tl.where(strict, beta1[:, None] * kk11, 0.0), SB, HALF)
+        t11 = _unit_lower_inverse(beta1[:, None] * tl.where(strict, kk11, 0.0), SB, HALF)
         kk22 = _rows(pkk_ptr, rows2, ok2, hv, HV, HALF + steps, steps < HALF, C)
-        t22 = _unit_lower_inverse(tl.where(strict, beta2[:, None] * kk22, 0.0), SB, HALF)
+        t22 = _unit_lower_inverse(beta2[:, None] * tl.where(strict, kk22, 0.0), SB, HALF)
         a21 = beta2[:, None] * _rows(pkk_ptr, rows2, ok2, hv, HV, steps, steps < HALF, C)
     else:
         kk11 = tl.zeros([HALF, HALF], tl.float32)
@@ -546,15 +552,16 @@ def chunk_output_kernel(
 
 @triton.jit
 def chunk_state_backward_kernel(
-    q_ptr, k_ptr, wk_ptr, g_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
+    q_ptr, k_ptr, wk_ptr, g_ptr, pqk_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, DELTA: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr,
+    DELTA: tl.constexpr, ACCURATE_EXP: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The backward chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 4): ``dS`` of each chunk's end state to ``dh``, ``dW``
     to ``dw``, the initial state's gradient to ``dh0``; ``dS`` lives in those, as the state in
-    :func:`chunk_state_kernel`."""
+    :func:`chunk_state_kernel`. PER_CHANNEL: ``D * Q K^T`` is ``P(Q, K)`` (``pqk``), the decays per
+    channel."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -583,25 +590,49 @@ def chunk_state_backward_kernel(
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G and not PER_CHANNEL, C)
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         tl.debug_barrier()  # dS, stored by every thread, is read back by others
         qk = tl.zeros([C, C], tl.float32)
-        dw = tl.zeros([C, BV], tl.float32)
+        if PER_CHANNEL:  # P(Q, K)^T dO by SB-row slices: a [C, C] tile held whole spilled
+            steps = tl.arange(0, C)
+            dw = tl.zeros([C, BV], tl.float32)
+            for s0 in range(0, C, SB):
+                part = s0 + tl.arange(0, SB)
+                part_rows = t0 + part
+                part_ok = part_rows < end
+                pqk = tl.where(part[:, None] >= steps[None, :],
+                               _rows(pqk_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
+                dw += scale * dot_tf32x3(tl.trans(pqk), _rows(do_ptr, part_rows, part_ok, hv, HV, cols, v_ok, V))
+        else:
+            dw = tl.zeros([C, BV], tl.float32)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
-            qk += dot_tf32x3(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
-            dw += dot_tf32x3(k * end_decay[:, None], _state_block(d_state, block, cols, K, V))
+            if PER_CHANNEL:
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                k_end_decay = tl.where(ok[:, None], tl.exp(to_end_k), 0.0)
+            else:
+                qk += dot_tf32x3(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
+                k_end_decay = end_decay[:, None]
+            dw += dot_tf32x3(k * k_end_decay, _state_block(d_state, block, cols, K, V))
         do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        dw += scale * dot_tf32x3(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
+        if not PER_CHANNEL:
+            dw += scale * dot_tf32x3(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
         _store_rows(dw_ptr, dw, rows, ok, hv, HV, cols, v_ok, V)
         chunk_decay = _exp(tl.sum(g, axis=0), ACCURATE_EXP)
         exp_b = tl.exp(b)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
-            q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * exp_b[:, None]
-            updated = chunk_decay * _state_block(d_state, block, cols, K, V)
+            if PER_CHANNEL:
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                block_decay = _exp(tl.sum(gk, axis=0), ACCURATE_EXP)[:, None]
+                q_decay = tl.exp(bk)
+            else:
+                block_decay = chunk_decay
+                q_decay = exp_b[:, None]
+            q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * q_decay
+            updated = block_decay * _state_block(d_state, block, cols, K, V)
             updated += scale * dot_tf32x3(tl.trans(q_decayed), do)
             if DELTA:
                 updated -= dot_tf32x3(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw)
@@ -744,6 +775,133 @@ def chunk_grad_kernel(
         written = tl.where(steps < last, end_decay * tl.sum(k * w_ds, axis=1), 0.0)
         db += tl.where(steps == last, tl.sum(written, axis=0) + tl.exp(tl.sum(g, axis=0)) * ds_s, 0.0) - written
         tl.store(db_ptr + part, db, mask=ok)
+
+
+@triton.jit
+def chunk_grad_channel_kernel(
+    q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
+    dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+):
+    """:func:`chunk_grad_kernel` for a per-channel decay and the delta rule (Kimi Delta Attention):
+    ``dP`` and ``dA`` come undecayed, and their products with Q and K take ``D_tsc`` per channel by
+    ``SB``-row blocks as :func:`channel_products_kernel` does (through the last step before the
+    block of rows, both exponents sums of gates; the diagonal blocks elementwise). ``dL/db`` is
+    per channel (``db [tokens, HV, K]``), each K block writing its own channels."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    kb = tl.program_id(2)
+    kh = hv // (HV // H)
+    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    steps = tl.arange(0, C)
+    rows = t0 + steps
+    ok = rows < end
+    idx = tl.arange(0, SB)
+    dims = kb * BK + tl.arange(0, BK)
+    k_ok = dims < K
+    state_base = (c.to(tl.int64) * HV + hv) * K * V
+    ds_s = tl.zeros([BK], tl.float32)  # <dS, S0> per channel
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        state_offs = state_base + dims[:, None] * V + cols[None, :]
+        state_ok = k_ok[:, None] & (cols < V)[None, :]
+        ds_s += tl.sum(tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
+                       * tl.load(h_ptr + state_offs, mask=state_ok, other=0.0), axis=1)
+    last = tl.minimum(C, end - t0) - 1
+    written_total = tl.zeros([BK], tl.float32)
+    for i in range(C // SB):  # the chunk's [C, BK] tiles are read where needed: held across, they spilled
+        g = _rows(g_ptr, rows, ok, hv, HV, dims, k_ok, K)
+        rows_i = t0 + i * SB + idx
+        ok_i = rows_i < end
+        steps_i = i * SB + idx
+        q_i = _rows(q_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_i = _rows(k_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        g_i = _rows(g_ptr, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        beta_i = tl.load(beta_ptr + rows_i.to(tl.int64) * HV + hv, mask=ok_i, other=0.0)
+        # this block's rows of exp(b) and exp(b_C - b): the steps before it (after it) summed
+        before = tl.sum(tl.where((steps < i * SB)[:, None], g, 0.0), axis=0)
+        exp_b = tl.where(ok_i[:, None], tl.exp(before[None, :] + tl.cumsum(g_i, axis=0)), 0.0)
+        later = tl.sum(tl.where((steps >= (i + 1) * SB)[:, None], g, 0.0), axis=0)
+        g_i_after = _rows(g_ptr, rows_i + 1, (rows_i + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
+        within_to_end = tl.cumsum(g_i_after, axis=0, reverse=True)  # g_{t+1} + ... to this block's end
+        end_decay = tl.where(ok_i[:, None], tl.exp(within_to_end + later[None, :]), 0.0)
+        do_s = tl.zeros([SB, BK], tl.float32)  # dO S0^T
+        w_ds = tl.zeros([SB, BK], tl.float32)  # W dS^T
+        dr_s = tl.zeros([SB, BK], tl.float32)  # dR S0^T
+        for v0 in range(0, V, BV):
+            cols = v0 + tl.arange(0, BV)
+            v_ok = cols < V
+            state_offs = state_base + dims[:, None] * V + cols[None, :]
+            state_ok = k_ok[:, None] & v_ok[None, :]
+            state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
+            d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
+            do_s += dot_tf32x3(_rows(do_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(state))
+            w_ds += dot_tf32x3(_rows(w_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(d_state))
+            dr_s += dot_tf32x3(_rows(dr_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(state))
+        # the diagonal block, a column s at a time (no [SB, SB, BK] tile: those spilled):
+        # D_tsc = exp(g_{s+1} + ... + g_t) for s < t in this block
+        dp_d = _rows(dp_ptr, rows_i, ok_i, hv, HV, steps_i, steps_i < C, C)  # [SB, SB]: dP_ts, s in this block
+        da_d = _rows(da_ptr, rows_i, ok_i, hv, HV, steps_i, steps_i < C, C)
+        dp_diag = tl.sum(tl.where(idx[:, None] == idx[None, :], dp_d, 0.0), axis=1)
+        beta_k_i = beta_i[:, None] * k_i
+        dp_k = tl.zeros([SB, BK], tl.float32)  # sum_s dP_ts D_tsc K_sc
+        da_k = tl.zeros([SB, BK], tl.float32)
+        dp_q = tl.zeros([SB, BK], tl.float32)  # sum_t dP_ts D_tsc Q_tc
+        da_bk = tl.zeros([SB, BK], tl.float32)
+        for s in range(SB - 1):
+            pick = idx == s
+            later_rows = (idx > s)[:, None]
+            decay = tl.where(later_rows, tl.exp(tl.cumsum(tl.where(later_rows, g_i, 0.0), axis=0)), 0.0)
+            k_s = tl.sum(tl.where(pick[:, None], k_i, 0.0), axis=0)[None, :]
+            dp_col = tl.sum(tl.where(pick[None, :], dp_d, 0.0), axis=1)[:, None] * decay
+            da_col = tl.sum(tl.where(pick[None, :], da_d, 0.0), axis=1)[:, None] * decay
+            dp_k += dp_col * k_s
+            da_k += da_col * k_s
+            dp_q += tl.where(pick[:, None], tl.sum(dp_col * q_i, axis=0)[None, :], 0.0)
+            da_bk += tl.where(pick[:, None], tl.sum(da_col * beta_k_i, axis=0)[None, :], 0.0)
+        # the blocks before (columns s) and after (rows t) this one, SB steps deep each (a [SB, C]
+        # operand held whole spilled): through step r, the last before the block of rows t,
+        # D_tsc = exp(g_{r+1} + ... + g_t) exp(g_{s+1} + ... + g_r), sums of gates of one sign
+        from_r = tl.exp(tl.cumsum(g_i, axis=0))
+        for j in range(0, i):
+            rows_j = t0 + j * SB + idx
+            ok_j = rows_j < end
+            steps_j = j * SB + idx
+            between = tl.sum(tl.where(((steps >= (j + 1) * SB) & (steps < i * SB))[:, None], g, 0.0), axis=0)
+            after_j = _rows(g_ptr, rows_j + 1, (rows_j + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
+            to_r = tl.exp(tl.cumsum(after_j, axis=0, reverse=True) + between[None, :])
+            k_to_r = _rows(k_ptr, rows_j, ok_j, kh, H, dims, k_ok, K) * to_r
+            dp_k += from_r * dot_tf32x3(_rows(dp_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
+            da_k += from_r * dot_tf32x3(_rows(da_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
+        to_r = tl.exp(within_to_end)
+        for m in range(i + 1, C // SB):
+            rows_m = t0 + m * SB + idx
+            ok_m = rows_m < end
+            between = tl.sum(tl.where(((steps >= (i + 1) * SB) & (steps < m * SB))[:, None], g, 0.0), axis=0)
+            g_m = _rows(g_ptr, rows_m, ok_m, hv, HV, dims, k_ok, K)
+            from_r_m = tl.where(ok_m[:, None], tl.exp(between[None, :] + tl.cumsum(g_m, axis=0)), 0.0)
+            beta_m = tl.load(beta_ptr + rows_m.to(tl.int64) * HV + hv, mask=ok_m, other=0.0)
+            dp_m = tl.trans(_rows(dp_ptr, rows_m, ok_m, hv, HV, steps_i, steps_i < C, C))
+            da_m = tl.trans(_rows(da_ptr, rows_m, ok_m, hv, HV, steps_i, steps_i < C, C))
+            dp_q += to_r * dot_tf32x3(dp_m, _rows(q_ptr, rows_m, ok_m, kh, H, dims, k_ok, K) * from_r_m)
+            da_bk += to_r * dot_tf32x3(da_m, _rows(k_ptr, rows_m, ok_m, kh, H, dims, k_ok, K)
+                                       * (beta_m[:, None] * from_r_m))
+        dq = scale * exp_b * do_s + dp_k + dp_diag[:, None] * k_i
+        dk = dp_q + dp_diag[:, None] * q_i + end_decay * w_ds - (beta_i[:, None] * exp_b) * dr_s \
+            + beta_i[:, None] * da_k + da_bk
+        _store_rows(dq_ptr, dq, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        _store_rows(dk_ptr, dk, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        dbeta_terms = k_i * da_k - exp_b * k_i * dr_s
+        part = (kb * num_tokens + rows_i.to(tl.int64)) * HV + hv
+        tl.store(dbeta_ptr + part, tl.sum(dbeta_terms, axis=1), mask=ok_i)
+        # dL/db per channel, term by term as chunk_grad_kernel's (its sums over K left out)
+        db = scale * exp_b * q_i * do_s + q_i * dp_k - k_i * dp_q + beta_i[:, None] * dbeta_terms - k_i * da_bk
+        written = tl.where((steps_i < last)[:, None], end_decay * k_i * w_ds, 0.0)
+        written_total += tl.sum(written, axis=0)
+        at_last = (steps_i == last)[:, None]
+        db += tl.where(at_last, written_total[None, :] + tl.exp(tl.sum(g, axis=0))[None, :] * ds_s[None, :], 0.0)
+        _store_rows(db_ptr, db - written, rows_i, ok_i, hv, HV, dims, k_ok, K)
 
 
 @triton.jit
@@ -1157,51 +1315,64 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     """The chunked kernels' backward: ``(dq, dk, dv, dg, dbeta, dh0)`` (float32; None for an absent
     ``g``, ``beta`` or ``initial_state``), chunk states recomputed from the inputs."""
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
-    if x.per_channel:  # chunk_kda's backward is recurrent_backward (torch_kernels.ops.linear_attention)
-        raise NotImplementedError("triton: the chunked backward takes a per-head decay only")
     x.rerun = functools.partial(chunk_backward, do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                 use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     delta = x.beta is not None
-    t_inv, w, wk, _, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
+    if x.per_channel and not delta:
+        raise NotImplementedError("triton: a per-channel decay's chunked backward is the delta rule's only")
+    t_inv, w, wk, pqk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
     do = do.reshape(tokens, value_heads, v_dim).contiguous()
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     dw = torch.empty(tokens, value_heads, v_dim, **f32)  # dW, then dR in place (delta rule); dv itself for GLA
     dht = None if dht is None else dht.float().contiguous()
-    config = x.config("chunk_state_backward")
+    config = x.config("chunk_state_backward_per_channel" if x.per_channel else "chunk_state_backward")
     x.launch(chunk_state_backward_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
-             x.q, x.k, _or(wk, x.k), _or(x.g, x.k), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk, scale,
-             HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta,
-             ACCURATE_EXP=not x.interpreted)
+             x.q, x.k, _or(wk, x.k), _or(x.g, x.k), _or(pqk, dh0), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk,
+             scale, HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta, ACCURATE_EXP=not x.interpreted,
+             PER_CHANNEL=x.per_channel)
     dq = torch.empty(tokens, value_heads, k_dim, **f32)
     dk = torch.empty(tokens, value_heads, k_dim, **f32)
     dv = torch.empty(tokens, value_heads, v_dim, **f32) if delta else dw
     dbeta = torch.empty(tokens, value_heads, **f32) if delta else None
-    dg = torch.empty(tokens, value_heads, **f32) if x.g is not None else None
+    decay_parts = (k_dim,) if x.per_channel else ()  # dL/db per channel for a per-channel decay
+    dg = torch.empty(tokens, value_heads, *decay_parts, **f32) if x.g is not None else None
     if num_chunks:
         dp = torch.empty(tokens, value_heads, CHUNK, **f32)
         da = torch.empty(tokens, value_heads, CHUNK, **f32) if delta else None
         x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
-                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta,
-                 SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)
+                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None and not x.per_channel, DELTA=delta,
+                 SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)  # a per-channel decay: dP, dA undecayed
         config = x.config("chunk_grad")
         blocks = triton.cdiv(k_dim, config.block_k)
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
-        db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
-        x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
-                 x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
-                 _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
-                 HAS_G=x.g is not None, DELTA=delta)
+        if x.per_channel:  # each K block writes its own channels of db
+            db = torch.empty(tokens, value_heads, k_dim, **f32)
+            config = x.config("chunk_grad_channel")
+            blocks = triton.cdiv(k_dim, config.block_k)
+            dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32)
+            x.launch(chunk_grad_channel_kernel, config, (num_chunks, value_heads, blocks),
+                     x.q, x.k, w, x.g, x.beta, h, dh, do, dw, dp, da, dq, dk, dbeta_parts, db, chunk_seq, chunk_start,
+                     x.cu, scale, tokens)
+        else:
+            db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
+            x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
+                     x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
+                     _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
+                     HAS_G=x.g is not None, DELTA=delta)
+            db = None if db_parts is None else db_parts.sum(0)
         if delta:
             dbeta += dbeta_parts.sum(0)
         if x.g is not None:
             # b is the cumulative sum of g within each chunk: dg is the reverse cumulative sum of db there
-            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, value_heads), db_parts.sum(0), dg, x.cu,
-                     WITHIN_CHUNKS=True)
+            # (each channel of a per-channel decay a column of its own)
+            columns = value_heads * (k_dim if x.per_channel else 1)
+            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, columns), db, dg, x.cu, WITHIN_CHUNKS=True,
+                     HV=columns)
     return _finish(x, dq, dk, dv, dg, dbeta, dh0, initial_state is not None)
 
 
@@ -1274,7 +1445,8 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
 
 
 # the kernels with a PER_CHANNEL flag
-PER_CHANNEL_KERNELS = (wy_kernel, chunk_state_kernel, chunk_output_kernel, recurrent_kernel, recurrent_backward_kernel)
+PER_CHANNEL_KERNELS = (wy_kernel, chunk_state_kernel, chunk_output_kernel, chunk_state_backward_kernel,
+                       recurrent_kernel, recurrent_backward_kernel)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INDEX_POINTERS = ("cu_ptr", "chunk_seq_ptr", "chunk_start_ptr", "first_chunk_ptr")
 _INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr")
@@ -1317,7 +1489,7 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
         ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low, PER_CHANNEL=False),
          True, None),
         ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
-         dict(HAS_G=True, HAS_DHT=True, DELTA=delta, **accurate), True, None),
+         dict(HAS_G=True, HAS_DHT=True, DELTA=delta, PER_CHANNEL=False, **accurate), True, None),
         ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs",
          dict(HAS_G=True, DELTA=delta, SIXTEEN_BIT=low), True, None),
         ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(HAS_G=True, DELTA=delta), True, None),
@@ -1334,10 +1506,14 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
                           dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True,
                                PER_CHANNEL=False, **accurate), False, out_type))
     if delta and per_channel:
-        cases += [(f"{name}_per_channel", kernel, "wy_per_channel" if kernel is wy_kernel else config,
+        own = {"wy": "wy_per_channel", "chunk_state_backward": "chunk_state_backward_per_channel"}
+        cases += [(f"{name}_per_channel", kernel, own.get(config, config),
                    {**flags, "PER_CHANNEL": True}, dots, out_type)
                   for name, kernel, config, flags, dots, out_type in cases if kernel in PER_CHANNEL_KERNELS]
-        cases.append(("channel_products", channel_products_kernel, "channel_products", {}, True, None))
+        cases += [("channel_products", channel_products_kernel, "channel_products", {}, True, None),
+                  ("chunk_grad_pairs_per_channel", chunk_grad_pairs_kernel, "chunk_grad_pairs",  # dP, dA undecayed
+                   dict(HAS_G=False, DELTA=True, SIXTEEN_BIT=low), True, None),
+                  ("chunk_grad_channel", chunk_grad_channel_kernel, "chunk_grad_channel", {}, True, None)]
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)

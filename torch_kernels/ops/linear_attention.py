@@ -84,15 +84,14 @@ backends.register("fused_recurrent_gated_delta_rule_backward", "triton", "triton
 backends.register("fused_recurrent_gated_delta_rule_backward", "pallas",
                   "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
 backends.register("fused_recurrent_gated_delta_rule_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
-# Kimi Delta Attention: the reference's shared chunked and step-by-step forms; triton's chunked
-# forward (its per-channel products, then the Gated DeltaNet chunk kernels) whose backward is, for
-# now, the exact step-by-step backward kernels (the chunked backward kernels take a per-head decay
-# only); the step-by-step kernels of triton, pallas (a scan) and sycl
+# Kimi Delta Attention: the reference's shared chunked and step-by-step forms; triton's chunk
+# kernels (with their per-channel products); the step-by-step kernels of triton, pallas (a scan)
+# and sycl (whose chunked kernels take a per-head decay only)
 for _op in PER_CHANNEL_OPS:
     backends.register(_op, "reference", _reference_forward(_op))
     backends.register(f"{_op}_backward", "reference", reference_backward)
 backends.register(CHUNK_KDA, "triton", "triton_impl.linear_attention:chunk_forward")
-backends.register("chunk_kda_backward", "triton", "triton_impl.linear_attention:recurrent_backward")
+backends.register("chunk_kda_backward", "triton", "triton_impl.linear_attention:chunk_backward")
 backends.register(RECURRENT_KDA, "triton", "triton_impl.linear_attention:recurrent_forward")
 backends.register("fused_recurrent_kda_backward", "triton", "triton_impl.linear_attention:recurrent_backward")
 backends.register(RECURRENT_KDA, "pallas", "torch_kernels.pallas.linear_attention:pallas_recurrent_forward")
