@@ -61,10 +61,19 @@ write and read, which cancel exactly, left out); ``dg`` is the reverse cumulativ
 (``reverse_cumsum_kernel``), in which the pairs on one side of t cancel. No exponential of a
 cumulative decay is ever formed.
 
-Kimi Delta Attention (``PER_CHANNEL``, the recurrent kernels only): ``g`` holds a log decay per
-key channel, row c of the state is multiplied by ``exp(g_tc)``, and each ``dL/dB`` term above is
-kept per channel (a per-head decay's is the sum of those over K), so ``dg`` is the same reverse
-cumulative sum taken per channel.
+Kimi Delta Attention (``PER_CHANNEL``): ``g`` holds a log decay per key channel, row c of the
+state is multiplied by ``exp(g_tc)``, and each ``dL/dB`` term above is kept per channel (a per-head
+decay's is the sum of those over K), so ``dg`` is the same reverse cumulative sum taken per channel.
+The chunked forms: ``D_tsc = exp(b_tc - b_sc)`` does not factor out of a sum over channels, so the
+products ``D * Q K^T`` and ``D * K K^T`` become ``P(X, Y)_ts = sum_c X_tc Y_sc D_tsc``, taken by
+``channel_products_kernel`` in 16-step blocks: for rows t of block i and columns s of an earlier
+block, through the last step r before block i, ``D_tsc = exp(g_{r+1} + ... + g_t) exp(g_{s+1} +
+... + g_r)`` (both sums of gates, so both factors are <= 1 and the block is one matmul); the
+diagonal blocks elementwise. ``wy_kernel`` and ``chunk_output_kernel`` read them in place of their
+own products, and every ``exp(b)``, ``exp(b_C - b)``, ``exp(b_C)`` is per channel (``[C, BK]``
+tiles, a ``[BK]`` vector). Backward: the state walk reads ``P(Q, K)``, the ``[C, C]`` gradients are
+left undecayed, and ``chunk_grad_channel_kernel`` takes their products with Q and K by the same
+16-step blocks (``dP D`` per channel has no matmul form either).
 
 Precision: as the reference's, whatever the inputs' dtype: float32 states, intermediates and
 accumulation, and q, k normalized in float32 (``use_qk_l2norm``). On a GPU every product with a
@@ -167,7 +176,7 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
         return Config(block_v=min(32, padded_v), block_k=16, num_warps=warps, num_stages=1)
     if kernel == "chunk_grad_channel":  # SB-row dots
         return Config(block_v=min(64 if interpreted else 16, padded_v), block_k=64 if interpreted else 16,
-                      num_warps=4, num_stages=1)
+                      num_warps=4 if interpreted else 8, num_stages=1)
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
@@ -685,6 +694,33 @@ def chunk_grad_pairs_kernel(
 
 
 @triton.jit
+def _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows, ok, hv, HV: tl.constexpr, dims, k_ok,
+                    V: tl.constexpr, BV: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, HAS_G: tl.constexpr,
+                    DELTA: tl.constexpr):
+    """A chunk's products over V with its start state ``S0`` (``h``) and the gradient ``dS`` of its
+    end state (``dh``), for ``rows`` (``N`` of them) and K dimensions ``dims``: ``(dO S0^T, W dS^T,
+    dR S0^T`` (DELTA; else 0), ``<dS, S0>`` per channel (HAS_G; else 0))."""
+    do_s = tl.zeros([N, BK], tl.float32)
+    w_ds = tl.zeros([N, BK], tl.float32)
+    dr_s = tl.zeros([N, BK], tl.float32)
+    ds_s = tl.zeros([BK], tl.float32)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        v_ok = cols < V
+        state_offs = state_base + dims[:, None] * V + cols[None, :]
+        state_ok = k_ok[:, None] & v_ok[None, :]
+        state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
+        d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
+        do_s += dot_tf32x3(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+        w_ds += dot_tf32x3(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
+        if HAS_G:
+            ds_s += tl.sum(d_state * state, axis=1)
+        if DELTA:
+            dr_s += dot_tf32x3(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+    return do_s, w_ds, dr_s, ds_s
+
+
+@triton.jit
 def chunk_grad_kernel(
     q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
     dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
@@ -706,24 +742,10 @@ def chunk_grad_kernel(
     k_ok = dims < K
     state_base = (c.to(tl.int64) * HV + hv) * K * V
     part = (kb * num_tokens + rows.to(tl.int64)) * HV + hv  # this K block's part of a [K blocks, tokens, HV] sum
-    do_s = tl.zeros([C, BK], tl.float32)  # dO S0^T
-    w_ds = tl.zeros([C, BK], tl.float32)  # W dS^T
-    if DELTA:
-        dr_s = tl.zeros([C, BK], tl.float32)  # dR S0^T
-    ds_s = 0.0  # <dS, S0> over this K block
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        v_ok = cols < V
-        state_offs = state_base + dims[:, None] * V + cols[None, :]
-        state_ok = k_ok[:, None] & v_ok[None, :]
-        state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
-        d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-        do_s += dot_tf32x3(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
-        w_ds += dot_tf32x3(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
-        if HAS_G:
-            ds_s += tl.sum(tl.sum(d_state * state, axis=1), axis=0)
-        if DELTA:
-            dr_s += dot_tf32x3(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+    # dO S0^T, W dS^T, dR S0^T, and <dS, S0> over this K block
+    do_s, w_ds, dr_s, ds_s = _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows, ok, hv, HV, dims,
+                                             k_ok, V, BV, C, BK, HAS_G, DELTA)
+    ds_s = tl.sum(ds_s, axis=0)
     g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     exp_b = tl.where(ok, tl.exp(b), 0.0)
     end_decay = tl.where(ok, tl.exp(to_end), 0.0)
@@ -801,13 +823,6 @@ def chunk_grad_channel_kernel(
     dims = kb * BK + tl.arange(0, BK)
     k_ok = dims < K
     state_base = (c.to(tl.int64) * HV + hv) * K * V
-    ds_s = tl.zeros([BK], tl.float32)  # <dS, S0> per channel
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        state_offs = state_base + dims[:, None] * V + cols[None, :]
-        state_ok = k_ok[:, None] & (cols < V)[None, :]
-        ds_s += tl.sum(tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-                       * tl.load(h_ptr + state_offs, mask=state_ok, other=0.0), axis=1)
     last = tl.minimum(C, end - t0) - 1
     written_total = tl.zeros([BK], tl.float32)
     for i in range(C // SB):  # the chunk's [C, BK] tiles are read where needed: held across, they spilled
@@ -826,19 +841,9 @@ def chunk_grad_channel_kernel(
         g_i_after = _rows(g_ptr, rows_i + 1, (rows_i + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
         within_to_end = tl.cumsum(g_i_after, axis=0, reverse=True)  # g_{t+1} + ... to this block's end
         end_decay = tl.where(ok_i[:, None], tl.exp(within_to_end + later[None, :]), 0.0)
-        do_s = tl.zeros([SB, BK], tl.float32)  # dO S0^T
-        w_ds = tl.zeros([SB, BK], tl.float32)  # W dS^T
-        dr_s = tl.zeros([SB, BK], tl.float32)  # dR S0^T
-        for v0 in range(0, V, BV):
-            cols = v0 + tl.arange(0, BV)
-            v_ok = cols < V
-            state_offs = state_base + dims[:, None] * V + cols[None, :]
-            state_ok = k_ok[:, None] & v_ok[None, :]
-            state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
-            d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-            do_s += dot_tf32x3(_rows(do_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(state))
-            w_ds += dot_tf32x3(_rows(w_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(d_state))
-            dr_s += dot_tf32x3(_rows(dr_ptr, rows_i, ok_i, hv, HV, cols, v_ok, V), tl.trans(state))
+        # dO S0^T, W dS^T, dR S0^T of this block's rows, and <dS, S0> per channel
+        do_s, w_ds, dr_s, ds_s = _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows_i, ok_i, hv,
+                                                 HV, dims, k_ok, V, BV, SB, BK, True, True)
         # the diagonal block, a column s at a time (no [SB, SB, BK] tile: those spilled):
         # D_tsc = exp(g_{s+1} + ... + g_t) for s < t in this block
         dp_d = _rows(dp_ptr, rows_i, ok_i, hv, HV, steps_i, steps_i < C, C)  # [SB, SB]: dP_ts, s in this block
