@@ -160,7 +160,10 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     ``[C, C]`` gradients one stage (two spilled there); the WY step takes 4 warps for 16-bit inputs (8
     spilled) and 8 for float32 (4 spilled), and 8 for a per-channel decay (``wy_per_channel``, which
     reads ``P(K, K)``: 4 spilled on sm_90). Kimi Delta Attention's block products take 16-wide K
-    blocks (their diagonal blocks hold ``[16, 16, BK]`` tiles) and 4 warps. The interpreter, whose
+    blocks (their diagonal blocks hold ``[16, 16, BK]`` tiles) and 4 warps; its state backward
+    (``chunk_state_backward_per_channel``) 32-wide V blocks and 8 warps (4 spilled on sm_90), and
+    its ``dq``/``dk`` (``chunk_grad_channel``) 16-wide K and V blocks and 8 warps (4, or V blocks
+    of 32, spilled). The interpreter, whose
     cost is per program and step, takes 64-wide tiles. The recurrent form takes narrow V blocks on a
     GPU (16: more programs, and at 32 a float16 state of K = 128 spilled).
     """
