@@ -10,11 +10,12 @@ autotuning, which the CPU interpreter cannot run). Forward+backward is one forwa
 backward of a random cotangent, every input requiring grad. Reports time, tokens/s, ratios, the
 length from which Gated DeltaNet is faster than attention, and ours vs the naive recurrence.
 
-Then Kimi Delta Attention at Kimi Linear's sizes (H = 32, K = V = 128): ``chunk_kda`` against
-transformers' torch version of Kimi Linear's chunked KDA (its fallback without fla) and fla's
-``chunk_kda`` where it imports (CUDA), forward and forward+backward, with the time ratios from one
-run; and each one's error against the float64 step-by-step recurrence under weak, strong (-5 to
--20 per step on a quarter of the channels) and resetting (-inf) per-channel decays.
+Then Kimi Delta Attention at Kimi Linear's sizes (H = 32, K = V = 128): ``chunk_kda`` (on CUDA
+Triton's kernels, and the reference backend up to T = 4k) against transformers' torch version of
+Kimi Linear's chunked KDA (its fallback without fla) and fla's ``chunk_kda`` where it imports
+(CUDA), forward and forward+backward, with the time ratios from one run; and each one's error
+against the float64 step-by-step recurrence under weak, strong (-5 to -20 per step on a quarter of
+the channels) and resetting (-inf) per-channel decays.
 Writes ``linear_attention{-quick,-gpu,}.{md,json,png}`` to ``--out`` (default ``benchmarks/results``).
 """
 
@@ -37,6 +38,8 @@ from torch_kernels.reference.linear_attention import recurrence_naive  # noqa: E
 
 HEADS, HEAD_SIZE = 16, 128
 KDA_HEADS = 32  # Kimi Linear's linear-attention heads (head size 128)
+KDA_REFERENCE = "ours: chunk_kda, reference backend"
+KDA_REFERENCE_MAX_T = 4096  # bounds the GPU step's time: a Python loop over chunks, autograd through it
 K = 1024
 
 BENCHMARK = {  # for the scripts that run or summarize every family (common.family_benchmarks)
@@ -106,10 +109,19 @@ def kda_inputs(length: int, device, dtype, heads=KDA_HEADS, decay="weak", seed=0
             dict(q=q, k=k, v=v, g=g, beta=beta).items()}
 
 
-def kda_implementations():
-    """{name: fn(inputs) -> o} for ours and the peers that import here, and notes on those left out."""
-    impls = {"ours: chunk_kda": lambda x: torch_kernels.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                                  use_qk_l2norm_in_kernel=True)[0]}
+def ours_kda(implementation=None):
+    """chunk_kda as Kimi Linear calls it, on ``implementation`` (None: the default backend)."""
+    return lambda x: torch_kernels.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
+                                             implementation=implementation)[0]
+
+
+def kda_implementations(device):
+    """{name: fn(inputs) -> o} for ours (the device's default backend; on CUDA, where that is
+    Triton's chunked kernels, the reference backend too, up to ``KDA_REFERENCE_MAX_T``) and the peers
+    that import here, and notes on those left out."""
+    impls = {"ours: chunk_kda": ours_kda()}
+    if device.type == "cuda":
+        impls[KDA_REFERENCE] = ours_kda("reference")
     notes = []
     try:
         import inspect
@@ -136,11 +148,13 @@ def kda_implementations():
 
 def kda_section(lengths, device, dtype, budget, sync, heads=KDA_HEADS):
     """(markdown, rows, errors): KDA timings with ratios to ours, and errors against the recurrence."""
-    impls, notes = kda_implementations()
+    impls, notes = kda_implementations(device)
     rows = []
     for length in lengths:
         x = kda_inputs(length, device, dtype, heads=heads)
         for impl, fn in impls.items():
+            if impl == KDA_REFERENCE and length > KDA_REFERENCE_MAX_T:
+                continue
             fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
             rows.append({"impl": impl, "T": length, "fwd_s": fwd, "fwd_bwd_s": fwd_bwd})
             print(f"  KDA T={length:6d} {impl:24s} fwd {fwd * 1e3:9.1f} ms  fwd+bwd {fwd_bwd * 1e3:9.1f} ms",

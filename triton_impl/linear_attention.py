@@ -61,10 +61,19 @@ write and read, which cancel exactly, left out); ``dg`` is the reverse cumulativ
 (``reverse_cumsum_kernel``), in which the pairs on one side of t cancel. No exponential of a
 cumulative decay is ever formed.
 
-Kimi Delta Attention (``PER_CHANNEL``, the recurrent kernels only): ``g`` holds a log decay per
-key channel, row c of the state is multiplied by ``exp(g_tc)``, and each ``dL/dB`` term above is
-kept per channel (a per-head decay's is the sum of those over K), so ``dg`` is the same reverse
-cumulative sum taken per channel.
+Kimi Delta Attention (``PER_CHANNEL``): ``g`` holds a log decay per key channel, row c of the
+state is multiplied by ``exp(g_tc)``, and each ``dL/dB`` term above is kept per channel (a per-head
+decay's is the sum of those over K), so ``dg`` is the same reverse cumulative sum taken per channel.
+The chunked forms: ``D_tsc = exp(b_tc - b_sc)`` does not factor out of a sum over channels, so the
+products ``D * Q K^T`` and ``D * K K^T`` become ``P(X, Y)_ts = sum_c X_tc Y_sc D_tsc``, taken by
+``channel_products_kernel`` in 16-step blocks: for rows t of block i and columns s of an earlier
+block, through the last step r before block i, ``D_tsc = exp(g_{r+1} + ... + g_t) exp(g_{s+1} +
+... + g_r)`` (both sums of gates, so both factors are <= 1 and the block is one matmul); the
+diagonal blocks elementwise. ``wy_kernel`` and ``chunk_output_kernel`` read them in place of their
+own products, and every ``exp(b)``, ``exp(b_C - b)``, ``exp(b_C)`` is per channel (``[C, BK]``
+tiles, a ``[BK]`` vector). Backward: the state walk reads ``P(Q, K)``, the ``[C, C]`` gradients are
+left undecayed, and ``chunk_grad_channel_kernel`` takes their products with Q and K by the same
+16-step blocks (``dP D`` per channel has no matmul form either).
 
 Precision: as the reference's, whatever the inputs' dtype: float32 states, intermediates and
 accumulation, and q, k normalized in float32 (``use_qk_l2norm``). On a GPU every product with a
@@ -112,7 +121,8 @@ class Config:
     num_stages: int = 1
 
 
-KERNELS = ("wy", "chunk_state", "chunk_output", "chunk_state_backward", "chunk_grad_pairs", "chunk_grad", "recurrent")
+KERNELS = ("channel_products", "wy", "wy_per_channel", "chunk_state", "chunk_output", "chunk_state_backward",
+           "chunk_state_backward_per_channel", "chunk_grad_pairs", "chunk_grad", "chunk_grad_channel", "recurrent")
 
 
 def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int, k_dim: int, v_dim: int,
@@ -122,8 +132,9 @@ def _splits_narrow_dots(kernel: str, block_k: int, block_v: int, num_warps: int,
     8-wide tf32 wgmma tiles on sm_90 (``arch`` None: taken as sm_90), which Triton from 3.6 on can
     read past their shared memory with (triton-lang/triton#10629): the float32 ``chunk_grad`` built
     so, all its dots m64n8k8, is where an H200 run hit an illegal memory access. The WY step's dots
-    are 32 rows (mma.sync) and the recurrent kernels have none."""
-    if (arch is not None and arch < 90) or num_warps < 8 or kernel in ("wy", "recurrent"):
+    are 32 rows and the per-channel kernels' 16 (mma.sync); the recurrent kernels have none."""
+    if (arch is not None and arch < 90) or num_warps < 8 or kernel in (
+            "wy", "wy_per_channel", "recurrent", "channel_products", "chunk_grad_channel"):
         return False
     width = min(block_k, _padded(k_dim)) if kernel == "chunk_grad" else min(block_v, _padded(v_dim))
     return width < 32
@@ -147,25 +158,41 @@ def default_config(kernel: str, k_dim: int, v_dim: int, dtype: torch.dtype, inte
     wide (the state backward, ``dq``/``dk``, the ``[C, C]`` gradients, any at V <= 16) takes 4 warps,
     as 8 would split them into 8-wide tf32 wgmma tiles (:func:`_splits_narrow_dots`), and the
     ``[C, C]`` gradients one stage (two spilled there); the WY step takes 4 warps for 16-bit inputs (8
-    spilled) and 8 for float32 (4 spilled). The interpreter, whose cost is per program and step,
-    takes 64-wide tiles. The recurrent form takes narrow V blocks on a GPU (16: more programs, and at
-    32 a float16 state of K = 128 spilled).
+    spilled) and 8 for float32 (4 spilled), and 8 for a per-channel decay (``wy_per_channel``, which
+    reads ``P(K, K)``: 4 spilled on sm_90). Kimi Delta Attention's block products take 16-wide K
+    blocks (their diagonal blocks hold ``[16, 16, BK]`` tiles) and 4 warps; its state backward
+    (``chunk_state_backward_per_channel``) 32-wide V blocks and 8 warps (4 spilled on sm_90), and
+    its ``dq``/``dk`` (``chunk_grad_channel``) 16-wide K and V blocks and 8 warps (4, or V blocks
+    of 32, spilled). The interpreter, whose
+    cost is per program and step, takes 64-wide tiles. The recurrent form takes narrow V blocks on a
+    GPU (16: more programs, and at 32 a float16 state of K = 128 spilled).
     """
     padded_v = max(16, triton.next_power_of_2(v_dim))
     if kernel == "recurrent":
         return Config(block_v=min(64 if interpreted else 16, padded_v), num_warps=4, num_stages=2)
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    if kernel == "channel_products":  # [SB, SB] dots; its diagonal blocks hold [SB, SB, BK] tiles
+        return Config(block_v=16, block_k=64 if interpreted else 16, num_warps=4, num_stages=1)
+    if kernel == "chunk_state_backward_per_channel" and not interpreted:  # 8 warps: 4 spilled on sm_90
+        warps = 4 if _splits_narrow_dots(kernel, 16, 32, 8, k_dim, v_dim, arch) else 8
+        return Config(block_v=min(32, padded_v), block_k=16, num_warps=warps, num_stages=1)
+    if kernel == "chunk_grad_channel":  # SB-row dots
+        return Config(block_v=min(64 if interpreted else 16, padded_v), block_k=64 if interpreted else 16,
+                      num_warps=4 if interpreted else 8, num_stages=1)
     if interpreted:
         return Config(block_v=min(64, padded_v), block_k=64, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    block_v = {"chunk_grad_pairs": 16, "wy": 16, "chunk_state_backward": 16}.get(kernel, 32)
-    block_k = 16 if kernel in ("chunk_grad", "wy") or (kernel == "chunk_state_backward" and not wide) else 32
+    block_v = {"chunk_grad_pairs": 16, "wy": 16, "wy_per_channel": 16, "chunk_state_backward": 16}.get(kernel, 32)
+    block_k = 16 if kernel in ("chunk_grad", "wy", "wy_per_channel") or (
+        kernel == "chunk_state_backward" and not wide) else 32
     hopper = arch is None or arch >= 90
-    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy") or hopper and \
-        kernel == "chunk_grad_pairs" else 2
+    stages = 1 if kernel in ("chunk_state", "chunk_state_backward", "chunk_grad", "wy", "wy_per_channel") or \
+        hopper and kernel == "chunk_grad_pairs" else 2
     if kernel == "wy":
         warps = 8 if wide else 4
+    elif kernel == "wy_per_channel":
+        warps = 8
     else:
         warps = 4 if _splits_narrow_dots(kernel, block_k, block_v, 8, k_dim, v_dim, arch) else 8
     return Config(block_v=min(block_v, padded_v), block_k=block_k, num_warps=warps, num_stages=stages)
@@ -227,6 +254,16 @@ def _decay(g, t_ok, s_ok, STRICT: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _channel_gates(g_ptr, rows, end, head, HEADS: tl.constexpr, dims, k_ok, K: tl.constexpr, N: tl.constexpr):
+    """:func:`_chunk_gates` of a per-channel decay (``[tokens, HEADS, K]``) for channels ``dims``:
+    ``(g, b, to_end)``, each ``[N, len(dims)]`` and summed over its own steps per channel."""
+    g = _rows(g_ptr, rows, rows < end, head, HEADS, dims, k_ok, K)
+    after_ok = (rows + 1 < end) & (tl.arange(0, N) < N - 1)
+    after = _rows(g_ptr, rows + 1, after_ok, head, HEADS, dims, k_ok, K)
+    return g, tl.cumsum(g, axis=0), tl.cumsum(after, axis=0, reverse=True)
+
+
+@triton.jit
 def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
     n = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
@@ -264,15 +301,74 @@ def _unit_lower_inverse(a, SB: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def channel_products_kernel(
+    q_ptr, k_ptr, g_ptr, pqk_ptr, pkk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+):
+    """A per-channel decay's ``P(Q, K)`` and ``P(K, K)`` (``sum_c X_tc K_sc D_tsc``, ``s <= t``) of
+    chunk ``program_id(0)``, value head ``program_id(1)``: the ``[SB, SB]`` block of row sub-chunk
+    ``i`` and column sub-chunk ``j <= i`` numbered ``program_id(2)`` (``C/SB (C/SB + 1) / 2`` of
+    them), to ``[tokens, HV, C]`` rows as ``T``; blocks above the diagonal are not written (module
+    docstring, Kimi Delta Attention)."""
+    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
+    hv = tl.program_id(1)
+    kh = hv // (HV // H)
+    pair = tl.program_id(2)
+    i = 0
+    for level in tl.static_range(1, C // SB):  # pair = i (i + 1) / 2 + j
+        i += (pair >= level * (level + 1) // 2).to(tl.int32)
+    j = pair - i * (i + 1) // 2
+    idx = tl.arange(0, SB)
+    rows_i = t0 + i * SB + idx
+    rows_j = t0 + j * SB + idx
+    ok_i = rows_i < end
+    ok_j = rows_j < end
+    lower = idx[:, None] >= idx[None, :]
+    pqk = tl.zeros([SB, SB], tl.float32)
+    pkk = tl.zeros([SB, SB], tl.float32)
+    for k0 in range(0, K, BK):
+        dims = k0 + tl.arange(0, BK)
+        k_ok = dims < K
+        q_i = _rows(q_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_i = _rows(k_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_j = _rows(k_ptr, rows_j, ok_j, kh, H, dims, k_ok, K)
+        g_i = _rows(g_ptr, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        if i == j:
+            # D_tsc = exp(g_{s+1,c} + ... + g_{t,c}) summed directly: a [SB, SB, BK] tile
+            segment = tl.cumsum(tl.where((idx[:, None] > idx[None, :])[:, :, None], g_i[:, None, :], 0.0), axis=0)
+            k_decayed = tl.where(lower[:, :, None], tl.exp(segment), 0.0) * k_j[None, :, :]
+            pqk += tl.sum(q_i[:, None, :] * k_decayed, axis=2)
+            pkk += tl.sum(k_i[:, None, :] * k_decayed, axis=2)
+        else:
+            # through step r, the last of sub-chunk i - 1: D_tsc = exp(b_tc - b_rc) exp(b_rc - b_sc),
+            # g_{r+1} + ... + g_t over sub-chunk i and g_{s+1} + ... + g_r from sub-chunk j to r,
+            # both <= 0, so the product is one matmul and neither factor can overflow
+            after_ok = (rows_j + 1 < end) & (idx < SB - 1)
+            to_r = tl.cumsum(_rows(g_ptr, rows_j + 1, after_ok, hv, HV, dims, k_ok, K), axis=0, reverse=True)
+            for m in range(j + 1, i):  # the whole sub-chunks between
+                rows_m = t0 + m * SB + idx
+                to_r += tl.sum(_rows(g_ptr, rows_m, rows_m < end, hv, HV, dims, k_ok, K), axis=0)[None, :]
+            k_from = k_j * tl.exp(to_r)
+            from_r = tl.exp(tl.cumsum(g_i, axis=0))
+            pqk += dot_tf32x3(q_i * from_r, tl.trans(k_from))
+            pkk += dot_tf32x3(k_i * from_r, tl.trans(k_from))
+    cols = j * SB + idx
+    _store_rows(pqk_ptr, pqk, rows_i, ok_i, hv, HV, cols, cols < C, C)
+    _store_rows(pkk_ptr, pkk, rows_i, ok_i, hv, HV, cols, cols < C, C)
+
+
+@triton.jit
 def wy_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, pkk_ptr, t_ptr, u_ptr, wk_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, STORE_T: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
     """``T``, ``U = T diag(beta) V`` and ``Wk = T diag(beta exp(b)) K`` of chunk ``program_id(0)``
     and value head ``program_id(1)`` (module docstring, step 1), in the chunk's two halves of
     ``C / 2`` rows: ``[C, C]`` float32 tiles, whose tf32x3 operands sm_80's mma.sync holds over the
-    whole product depth, spilled registers; halves do not."""
+    whole product depth, spilled registers; halves do not. PER_CHANNEL: ``D * K K^T`` is ``P(K, K)``
+    from :func:`channel_products_kernel` (``pkk``) and ``exp(b)`` is per channel."""
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -282,28 +378,39 @@ def wy_kernel(
     rows2 = rows1 + HALF
     ok1 = rows1 < end
     ok2 = rows2 < end
-    # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]]
-    kk11 = tl.zeros([HALF, HALF], tl.float32)
-    kk21 = tl.zeros([HALF, HALF], tl.float32)
-    kk22 = tl.zeros([HALF, HALF], tl.float32)
-    for k0 in range(0, K, BK):
-        dims = k0 + tl.arange(0, BK)
-        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
-        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
-        kk11 += dot_tf32x3(k1, tl.trans(k1))
-        kk21 += dot_tf32x3(k2, tl.trans(k1))
-        kk22 += dot_tf32x3(k2, tl.trans(k2))
-    beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
-    beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
-    g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
-    g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HAS_G, HALF)
-    # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
-    across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
-    b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
+    # A = strict_lower(diag(beta) D * K K^T) by blocks [[A11, 0], [A21, A22]];
     # T = [[T11, 0], [T21, T22]]: T11 = (I + A11)^-1, T22 = (I + A22)^-1, T21 = -T22 A21 T11
-    t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
-    t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
-    t21 = -dot_tf32x3(t22, dot_tf32x3(beta2[:, None] * across * kk21, t11))
+    if PER_CHANNEL:  # D * K K^T is P(K, K), each block read where it is needed (the inverses hold 255 registers)
+        beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
+        beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
+        strict = steps[:, None] > steps[None, :]
+        kk11 = _rows(pkk_ptr, rows1, ok1, hv, HV, steps, steps < HALF, C)
+        t11 = _unit_lower_inverse(beta1[:, None] * tl.where(strict, kk11, 0.0), SB, HALF)
+        kk22 = _rows(pkk_ptr, rows2, ok2, hv, HV, HALF + steps, steps < HALF, C)
+        t22 = _unit_lower_inverse(beta2[:, None] * tl.where(strict, kk22, 0.0), SB, HALF)
+        a21 = beta2[:, None] * _rows(pkk_ptr, rows2, ok2, hv, HV, steps, steps < HALF, C)
+    else:
+        kk11 = tl.zeros([HALF, HALF], tl.float32)
+        kk21 = tl.zeros([HALF, HALF], tl.float32)
+        kk22 = tl.zeros([HALF, HALF], tl.float32)
+        for k0 in range(0, K, BK):
+            dims = k0 + tl.arange(0, BK)
+            k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, dims < K, K)
+            k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, dims < K, K)
+            kk11 += dot_tf32x3(k1, tl.trans(k1))
+            kk21 += dot_tf32x3(k2, tl.trans(k1))
+            kk22 += dot_tf32x3(k2, tl.trans(k2))
+        beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
+        beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
+        g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
+        g2, b2, _ = _chunk_gates(g_ptr, rows2, end, hv, HV, HAS_G, HALF)
+        # across the halves D_ts = exp((g_{s+1} + ... + g_HALF) + (g_{HALF+1} + ... + g_t))
+        across = tl.where(ok2[:, None] & ok1[None, :], tl.exp(b2[:, None] + to_end1[None, :]), 0.0)
+        b2 += tl.sum(g1, axis=0)  # from the chunk's start: gates of one sign
+        t11 = _unit_lower_inverse(beta1[:, None] * _decay(g1, ok1, ok1, True, HALF) * kk11, SB, HALF)
+        t22 = _unit_lower_inverse(beta2[:, None] * _decay(g2, ok2, ok2, True, HALF) * kk22, SB, HALF)
+        a21 = beta2[:, None] * across * kk21
+    t21 = -dot_tf32x3(t22, dot_tf32x3(a21, t11))
     if STORE_T:
         _store_rows(t_ptr, t11, rows1, ok1, hv, HV, steps, steps < HALF, C)
         _store_rows(t_ptr, tl.zeros([HALF, HALF], tl.float32), rows1, ok1, hv, HV, HALF + steps, steps < HALF, C)
@@ -312,8 +419,16 @@ def wy_kernel(
     for k0 in range(0, K, BK):
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
-        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * (beta1 * tl.exp(b1))[:, None]
-        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * (beta2 * tl.exp(b2))[:, None]
+        if PER_CHANNEL:
+            gk1, bk1, to_end_k1 = _channel_gates(g_ptr, rows1, end, hv, HV, dims, k_ok, K, HALF)
+            gk2, bk2, to_end_k2 = _channel_gates(g_ptr, rows2, end, hv, HV, dims, k_ok, K, HALF)
+            decay1 = tl.exp(bk1)
+            decay2 = tl.exp(bk2 + tl.sum(gk1, axis=0)[None, :])  # from the chunk's start: gates of one sign
+        else:
+            decay1 = tl.exp(b1)[:, None]
+            decay2 = tl.exp(b2)[:, None]
+        k1 = _rows(k_ptr, rows1, ok1, kh, H, dims, k_ok, K) * beta1[:, None] * decay1
+        k2 = _rows(k_ptr, rows2, ok2, kh, H, dims, k_ok, K) * beta2[:, None] * decay2
         _store_rows(wk_ptr, dot_tf32x3(t11, k1), rows1, ok1, hv, HV, dims, k_ok, K)
         _store_rows(wk_ptr, dot_tf32x3(t21, k1) + dot_tf32x3(t22, k2), rows2, ok2, hv, HV, dims, k_ok, K)
     for v0 in range(0, V, BV):
@@ -342,11 +457,12 @@ def chunk_state_kernel(
     k_ptr, v_ptr, g_ptr, u_ptr, wk_ptr, h0_ptr, h_ptr, ht_ptr, cu_ptr, first_chunk_ptr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, DELTA: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 2): each chunk's start state to ``h``, ``W = U - Wk S0``
-    over ``U`` (delta rule; else ``W = V``), the final state to ``ht``."""
+    over ``U`` (delta rule; else ``W = V``), the final state to ``ht``. PER_CHANNEL: row c of the
+    state decays by channel c's gates."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -374,7 +490,7 @@ def chunk_state_kernel(
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        g, _, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        g, _, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G and not PER_CHANNEL, C)
         tl.debug_barrier()  # the state, stored by every thread, is read back by others
         if DELTA:
             w = _rows(u_ptr, rows, ok, hv, HV, cols, v_ok, V)
@@ -389,20 +505,28 @@ def chunk_state_kernel(
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
-            k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * end_decay[:, None]
-            updated = chunk_decay * _state_block(state, block, cols, K, V) + dot_tf32x3(tl.trans(k_decayed), w)
+            if PER_CHANNEL:
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                block_decay = _exp(tl.sum(gk, axis=0), ACCURATE_EXP)[:, None]
+                k_end_decay = tl.where(ok[:, None], tl.exp(to_end_k), 0.0)
+            else:
+                block_decay = chunk_decay
+                k_end_decay = end_decay[:, None]
+            k_decayed = _rows(k_ptr, rows, ok, kh, H, block, block < K, K) * k_end_decay
+            updated = block_decay * _state_block(state, block, cols, K, V) + dot_tf32x3(tl.trans(k_decayed), w)
             _store_state_block(following, updated, block, cols, K, V)
         state = following
 
 
 @triton.jit
 def chunk_output_kernel(
-    q_ptr, k_ptr, w_ptr, g_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
+    q_ptr, k_ptr, w_ptr, g_ptr, pqk_ptr, h_ptr, o_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, SIXTEEN_BIT: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, SIXTEEN_BIT: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """``O = scale (exp(b) Q S0 + (D * Q K^T) W)`` of chunk ``program_id(0)``, value head
-    ``program_id(1)``, V block ``program_id(2)``."""
+    ``program_id(1)``, V block ``program_id(2)``; PER_CHANNEL: ``O = scale ((Q * exp(b)) S0 + P(Q, K)
+    W)``, ``P(Q, K)`` from :func:`channel_products_kernel` (``pqk``)."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -419,27 +543,37 @@ def chunk_output_kernel(
         dims = k0 + tl.arange(0, BK)
         k_ok = dims < K
         q = _rows(q_ptr, rows, ok, kh, H, dims, k_ok, K)
-        qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
         state = tl.load(h_ptr + state_base + dims[:, None] * V + cols[None, :],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        qs += dot_tf32x3(q, state)
-    g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        if PER_CHANNEL:
+            gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, dims, k_ok, K, C)
+            qs += dot_tf32x3(q * tl.exp(bk), state)
+        else:
+            qk += dot_inputs(q, tl.trans(_rows(k_ptr, rows, ok, kh, H, dims, k_ok, K)), SIXTEEN_BIT, DT)
+            qs += dot_tf32x3(q, state)
     w = _rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V)
-    o = scale * (tl.exp(b)[:, None] * qs + dot_tf32x3(qk * _decay(g, ok, ok, False, C), w))
+    if PER_CHANNEL:
+        steps = tl.arange(0, C)
+        pqk = _rows(pqk_ptr, rows, ok, hv, HV, steps, steps < C, C)
+        o = scale * (qs + dot_tf32x3(tl.where(steps[:, None] >= steps[None, :], pqk, 0.0), w))
+    else:
+        g, b, _ = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        o = scale * (tl.exp(b)[:, None] * qs + dot_tf32x3(qk * _decay(g, ok, ok, False, C), w))
     _store_rows(o_ptr, o, rows, ok, hv, HV, cols, v_ok, V)
 
 
 @triton.jit
 def chunk_state_backward_kernel(
-    q_ptr, k_ptr, wk_ptr, g_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
+    q_ptr, k_ptr, wk_ptr, g_ptr, pqk_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, dw_ptr, cu_ptr, first_chunk_ptr, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, DELTA: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, HAS_G: tl.constexpr, HAS_DHT: tl.constexpr,
+    DELTA: tl.constexpr, ACCURATE_EXP: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The backward chunk walk of sequence ``program_id(0)``, value head ``program_id(1)``, V block
     ``program_id(2)`` (module docstring, step 4): ``dS`` of each chunk's end state to ``dh``, ``dW``
     to ``dw``, the initial state's gradient to ``dh0``; ``dS`` lives in those, as the state in
-    :func:`chunk_state_kernel`."""
+    :func:`chunk_state_kernel`. PER_CHANNEL: ``D * Q K^T`` is ``P(Q, K)`` (``pqk``), the decays per
+    channel."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -468,25 +602,49 @@ def chunk_state_backward_kernel(
         t0 = start + i * C
         rows = t0 + tl.arange(0, C)
         ok = rows < end
-        g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
+        g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G and not PER_CHANNEL, C)
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         tl.debug_barrier()  # dS, stored by every thread, is read back by others
         qk = tl.zeros([C, C], tl.float32)
-        dw = tl.zeros([C, BV], tl.float32)
+        if PER_CHANNEL:  # P(Q, K)^T dO by SB-row slices: a [C, C] tile held whole spilled
+            steps = tl.arange(0, C)
+            dw = tl.zeros([C, BV], tl.float32)
+            for s0 in range(0, C, SB):
+                part = s0 + tl.arange(0, SB)
+                part_rows = t0 + part
+                part_ok = part_rows < end
+                pqk = tl.where(part[:, None] >= steps[None, :],
+                               _rows(pqk_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
+                dw += scale * dot_tf32x3(tl.trans(pqk), _rows(do_ptr, part_rows, part_ok, hv, HV, cols, v_ok, V))
+        else:
+            dw = tl.zeros([C, BV], tl.float32)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
-            qk += dot_tf32x3(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
-            dw += dot_tf32x3(k * end_decay[:, None], _state_block(d_state, block, cols, K, V))
+            if PER_CHANNEL:
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                k_end_decay = tl.where(ok[:, None], tl.exp(to_end_k), 0.0)
+            else:
+                qk += dot_tf32x3(_rows(q_ptr, rows, ok, kh, H, block, block < K, K), tl.trans(k))
+                k_end_decay = end_decay[:, None]
+            dw += dot_tf32x3(k * k_end_decay, _state_block(d_state, block, cols, K, V))
         do = _rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V)
-        dw += scale * dot_tf32x3(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
+        if not PER_CHANNEL:
+            dw += scale * dot_tf32x3(tl.trans(qk * _decay(g, ok, ok, False, C)), do)
         _store_rows(dw_ptr, dw, rows, ok, hv, HV, cols, v_ok, V)
         chunk_decay = _exp(tl.sum(g, axis=0), ACCURATE_EXP)
         exp_b = tl.exp(b)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
-            q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * exp_b[:, None]
-            updated = chunk_decay * _state_block(d_state, block, cols, K, V)
+            if PER_CHANNEL:
+                gk, bk, to_end_k = _channel_gates(g_ptr, rows, end, hv, HV, block, block < K, K, C)
+                block_decay = _exp(tl.sum(gk, axis=0), ACCURATE_EXP)[:, None]
+                q_decay = tl.exp(bk)
+            else:
+                block_decay = chunk_decay
+                q_decay = exp_b[:, None]
+            q_decayed = _rows(q_ptr, rows, ok, kh, H, block, block < K, K) * q_decay
+            updated = block_decay * _state_block(d_state, block, cols, K, V)
             updated += scale * dot_tf32x3(tl.trans(q_decayed), do)
             if DELTA:
                 updated -= dot_tf32x3(tl.trans(_rows(wk_ptr, rows, ok, hv, HV, block, block < K, K)), dw)
@@ -539,6 +697,33 @@ def chunk_grad_pairs_kernel(
 
 
 @triton.jit
+def _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows, ok, hv, HV: tl.constexpr, dims, k_ok,
+                    V: tl.constexpr, BV: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, HAS_G: tl.constexpr,
+                    DELTA: tl.constexpr):
+    """A chunk's products over V with its start state ``S0`` (``h``) and the gradient ``dS`` of its
+    end state (``dh``), for ``rows`` (``N`` of them) and K dimensions ``dims``: ``(dO S0^T, W dS^T,
+    dR S0^T`` (DELTA; else 0), ``<dS, S0>`` per channel (HAS_G; else 0))."""
+    do_s = tl.zeros([N, BK], tl.float32)
+    w_ds = tl.zeros([N, BK], tl.float32)
+    dr_s = tl.zeros([N, BK], tl.float32)
+    ds_s = tl.zeros([BK], tl.float32)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        v_ok = cols < V
+        state_offs = state_base + dims[:, None] * V + cols[None, :]
+        state_ok = k_ok[:, None] & v_ok[None, :]
+        state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
+        d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
+        do_s += dot_tf32x3(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+        w_ds += dot_tf32x3(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
+        if HAS_G:
+            ds_s += tl.sum(d_state * state, axis=1)
+        if DELTA:
+            dr_s += dot_tf32x3(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+    return do_s, w_ds, dr_s, ds_s
+
+
+@triton.jit
 def chunk_grad_kernel(
     q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
     dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
@@ -560,24 +745,10 @@ def chunk_grad_kernel(
     k_ok = dims < K
     state_base = (c.to(tl.int64) * HV + hv) * K * V
     part = (kb * num_tokens + rows.to(tl.int64)) * HV + hv  # this K block's part of a [K blocks, tokens, HV] sum
-    do_s = tl.zeros([C, BK], tl.float32)  # dO S0^T
-    w_ds = tl.zeros([C, BK], tl.float32)  # W dS^T
-    if DELTA:
-        dr_s = tl.zeros([C, BK], tl.float32)  # dR S0^T
-    ds_s = 0.0  # <dS, S0> over this K block
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        v_ok = cols < V
-        state_offs = state_base + dims[:, None] * V + cols[None, :]
-        state_ok = k_ok[:, None] & v_ok[None, :]
-        state = tl.load(h_ptr + state_offs, mask=state_ok, other=0.0)
-        d_state = tl.load(dh_ptr + state_offs, mask=state_ok, other=0.0)
-        do_s += dot_tf32x3(_rows(do_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
-        w_ds += dot_tf32x3(_rows(w_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(d_state))
-        if HAS_G:
-            ds_s += tl.sum(tl.sum(d_state * state, axis=1), axis=0)
-        if DELTA:
-            dr_s += dot_tf32x3(_rows(dr_ptr, rows, ok, hv, HV, cols, v_ok, V), tl.trans(state))
+    # dO S0^T, W dS^T, dR S0^T, and <dS, S0> over this K block
+    do_s, w_ds, dr_s, ds_s = _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows, ok, hv, HV, dims,
+                                             k_ok, V, BV, C, BK, HAS_G, DELTA)
+    ds_s = tl.sum(ds_s, axis=0)
     g, b, to_end = _chunk_gates(g_ptr, rows, end, hv, HV, HAS_G, C)
     exp_b = tl.where(ok, tl.exp(b), 0.0)
     end_decay = tl.where(ok, tl.exp(to_end), 0.0)
@@ -629,6 +800,116 @@ def chunk_grad_kernel(
         written = tl.where(steps < last, end_decay * tl.sum(k * w_ds, axis=1), 0.0)
         db += tl.where(steps == last, tl.sum(written, axis=0) + tl.exp(tl.sum(g, axis=0)) * ds_s, 0.0) - written
         tl.store(db_ptr + part, db, mask=ok)
+
+
+@triton.jit
+def chunk_grad_channel_kernel(
+    q_ptr, k_ptr, w_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, do_ptr, dr_ptr, dp_ptr, da_ptr,
+    dq_ptr, dk_ptr, dbeta_ptr, db_ptr, chunk_seq_ptr, chunk_start_ptr, cu_ptr, scale, num_tokens,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+):
+    """:func:`chunk_grad_kernel` for a per-channel decay and the delta rule (Kimi Delta Attention):
+    ``dP`` and ``dA`` come undecayed, and their products with Q and K take ``D_tsc`` per channel by
+    ``SB``-row blocks as :func:`channel_products_kernel` does (through the last step before the
+    block of rows, both exponents sums of gates; the diagonal blocks elementwise). ``dL/db`` is
+    per channel (``db [tokens, HV, K]``), each K block writing its own channels."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    kb = tl.program_id(2)
+    kh = hv // (HV // H)
+    t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    steps = tl.arange(0, C)
+    rows = t0 + steps
+    ok = rows < end
+    idx = tl.arange(0, SB)
+    dims = kb * BK + tl.arange(0, BK)
+    k_ok = dims < K
+    state_base = (c.to(tl.int64) * HV + hv) * K * V
+    last = tl.minimum(C, end - t0) - 1
+    written_total = tl.zeros([BK], tl.float32)
+    for i in range(C // SB):  # the chunk's [C, BK] tiles are read where needed: held across, they spilled
+        g = _rows(g_ptr, rows, ok, hv, HV, dims, k_ok, K)
+        rows_i = t0 + i * SB + idx
+        ok_i = rows_i < end
+        steps_i = i * SB + idx
+        q_i = _rows(q_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        k_i = _rows(k_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
+        g_i = _rows(g_ptr, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        beta_i = tl.load(beta_ptr + rows_i.to(tl.int64) * HV + hv, mask=ok_i, other=0.0)
+        # this block's rows of exp(b) and exp(b_C - b): the steps before it (after it) summed
+        before = tl.sum(tl.where((steps < i * SB)[:, None], g, 0.0), axis=0)
+        exp_b = tl.where(ok_i[:, None], tl.exp(before[None, :] + tl.cumsum(g_i, axis=0)), 0.0)
+        later = tl.sum(tl.where((steps >= (i + 1) * SB)[:, None], g, 0.0), axis=0)
+        g_i_after = _rows(g_ptr, rows_i + 1, (rows_i + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
+        within_to_end = tl.cumsum(g_i_after, axis=0, reverse=True)  # g_{t+1} + ... to this block's end
+        end_decay = tl.where(ok_i[:, None], tl.exp(within_to_end + later[None, :]), 0.0)
+        # dO S0^T, W dS^T, dR S0^T of this block's rows, and <dS, S0> per channel
+        do_s, w_ds, dr_s, ds_s = _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows_i, ok_i, hv,
+                                                 HV, dims, k_ok, V, BV, SB, BK, True, True)
+        # the diagonal block, a column s at a time (no [SB, SB, BK] tile: those spilled):
+        # D_tsc = exp(g_{s+1} + ... + g_t) for s < t in this block
+        dp_d = _rows(dp_ptr, rows_i, ok_i, hv, HV, steps_i, steps_i < C, C)  # [SB, SB]: dP_ts, s in this block
+        da_d = _rows(da_ptr, rows_i, ok_i, hv, HV, steps_i, steps_i < C, C)
+        dp_diag = tl.sum(tl.where(idx[:, None] == idx[None, :], dp_d, 0.0), axis=1)
+        beta_k_i = beta_i[:, None] * k_i
+        dp_k = tl.zeros([SB, BK], tl.float32)  # sum_s dP_ts D_tsc K_sc
+        da_k = tl.zeros([SB, BK], tl.float32)
+        dp_q = tl.zeros([SB, BK], tl.float32)  # sum_t dP_ts D_tsc Q_tc
+        da_bk = tl.zeros([SB, BK], tl.float32)
+        for s in range(SB - 1):
+            pick = idx == s
+            later_rows = (idx > s)[:, None]
+            decay = tl.where(later_rows, tl.exp(tl.cumsum(tl.where(later_rows, g_i, 0.0), axis=0)), 0.0)
+            k_s = tl.sum(tl.where(pick[:, None], k_i, 0.0), axis=0)[None, :]
+            dp_col = tl.sum(tl.where(pick[None, :], dp_d, 0.0), axis=1)[:, None] * decay
+            da_col = tl.sum(tl.where(pick[None, :], da_d, 0.0), axis=1)[:, None] * decay
+            dp_k += dp_col * k_s
+            da_k += da_col * k_s
+            dp_q += tl.where(pick[:, None], tl.sum(dp_col * q_i, axis=0)[None, :], 0.0)
+            da_bk += tl.where(pick[:, None], tl.sum(da_col * beta_k_i, axis=0)[None, :], 0.0)
+        # the blocks before (columns s) and after (rows t) this one, SB steps deep each (a [SB, C]
+        # operand held whole spilled): through step r, the last before the block of rows t,
+        # D_tsc = exp(g_{r+1} + ... + g_t) exp(g_{s+1} + ... + g_r), sums of gates of one sign
+        from_r = tl.exp(tl.cumsum(g_i, axis=0))
+        for j in range(0, i):
+            rows_j = t0 + j * SB + idx
+            ok_j = rows_j < end
+            steps_j = j * SB + idx
+            between = tl.sum(tl.where(((steps >= (j + 1) * SB) & (steps < i * SB))[:, None], g, 0.0), axis=0)
+            after_j = _rows(g_ptr, rows_j + 1, (rows_j + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
+            to_r = tl.exp(tl.cumsum(after_j, axis=0, reverse=True) + between[None, :])
+            k_to_r = _rows(k_ptr, rows_j, ok_j, kh, H, dims, k_ok, K) * to_r
+            dp_k += from_r * dot_tf32x3(_rows(dp_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
+            da_k += from_r * dot_tf32x3(_rows(da_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
+        to_r = tl.exp(within_to_end)
+        for m in range(i + 1, C // SB):
+            rows_m = t0 + m * SB + idx
+            ok_m = rows_m < end
+            between = tl.sum(tl.where(((steps >= (i + 1) * SB) & (steps < m * SB))[:, None], g, 0.0), axis=0)
+            g_m = _rows(g_ptr, rows_m, ok_m, hv, HV, dims, k_ok, K)
+            from_r_m = tl.where(ok_m[:, None], tl.exp(between[None, :] + tl.cumsum(g_m, axis=0)), 0.0)
+            beta_m = tl.load(beta_ptr + rows_m.to(tl.int64) * HV + hv, mask=ok_m, other=0.0)
+            dp_m = tl.trans(_rows(dp_ptr, rows_m, ok_m, hv, HV, steps_i, steps_i < C, C))
+            da_m = tl.trans(_rows(da_ptr, rows_m, ok_m, hv, HV, steps_i, steps_i < C, C))
+            dp_q += to_r * dot_tf32x3(dp_m, _rows(q_ptr, rows_m, ok_m, kh, H, dims, k_ok, K) * from_r_m)
+            da_bk += to_r * dot_tf32x3(da_m, _rows(k_ptr, rows_m, ok_m, kh, H, dims, k_ok, K)
+                                       * (beta_m[:, None] * from_r_m))
+        dq = scale * exp_b * do_s + dp_k + dp_diag[:, None] * k_i
+        dk = dp_q + dp_diag[:, None] * q_i + end_decay * w_ds - (beta_i[:, None] * exp_b) * dr_s \
+            + beta_i[:, None] * da_k + da_bk
+        _store_rows(dq_ptr, dq, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        _store_rows(dk_ptr, dk, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        dbeta_terms = k_i * da_k - exp_b * k_i * dr_s
+        part = (kb * num_tokens + rows_i.to(tl.int64)) * HV + hv
+        tl.store(dbeta_ptr + part, tl.sum(dbeta_terms, axis=1), mask=ok_i)
+        # dL/db per channel, term by term as chunk_grad_kernel's (its sums over K left out)
+        db = scale * exp_b * q_i * do_s + q_i * dp_k - k_i * dp_q + beta_i[:, None] * dbeta_terms - k_i * da_bk
+        written = tl.where((steps_i < last)[:, None], end_decay * k_i * w_ds, 0.0)
+        written_total += tl.sum(written, axis=0)
+        at_last = (steps_i == last)[:, None]
+        db += tl.where(at_last, written_total[None, :] + tl.exp(tl.sum(g, axis=0))[None, :] * ds_s[None, :], 0.0)
+        _store_rows(db_ptr, db - written, rows_i, ok_i, hv, HV, dims, k_ok, K)
 
 
 @triton.jit
@@ -828,7 +1109,7 @@ class _Problem:
     q: torch.Tensor  # [tokens, H, K] (l2-normalized when asked)
     k: torch.Tensor
     v: torch.Tensor  # [tokens, HV, V]
-    g: torch.Tensor | None  # [tokens, HV] float32, or [tokens, HV, K] per channel (recurrent kernels only)
+    g: torch.Tensor | None  # [tokens, HV] float32, or [tokens, HV, K] per channel
     beta: torch.Tensor | None
     h0: torch.Tensor | None  # [N, HV, K, V] float32
     cu: torch.Tensor  # [N + 1] int32
@@ -872,7 +1153,8 @@ class _Problem:
         if self.rerun is None:
             return default_config(*sizes)
         key = dict(tokens=tokens, seqs=self.num_seqs, heads=heads, value_heads=value_heads, k=k_dim, v=v_dim,
-                   dtype=self.v.dtype, gated=self.g is not None, delta=self.beta is not None)
+                   dtype=self.v.dtype, gated=self.g is not None, delta=self.beta is not None,
+                   per_channel=self.per_channel)
         return autotune.choose(f"linear_attention.{kernel}", self.q.device, key, lambda: default_config(*sizes),
                                lambda: config_space(*sizes), self.rerun)
 
@@ -967,28 +1249,36 @@ def _chunks(cu: torch.Tensor):
 
 
 def _chunk_recompute(x: _Problem, store_t: bool):
-    """Steps 1-2 of the module docstring: (T, W, Wk, chunk start states, final states, chunk tables)."""
+    """Steps 1-2 of the module docstring: (T, W, Wk, P(Q, K) of a per-channel decay, chunk start
+    states, final states, chunk tables)."""
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     chunk_seq, chunk_start, first_chunk, num_chunks = _chunks(x.cu)
     f32 = dict(dtype=torch.float32, device=device)
-    t_inv = w = wk = None
+    t_inv = w = wk = pqk = pkk = None
+    if x.per_channel and num_chunks:  # P(Q, K) and P(K, K), the blocks on and below the diagonal
+        pqk = torch.empty(tokens, value_heads, CHUNK, **f32)
+        pkk = torch.empty(tokens, value_heads, CHUNK, **f32)
+        blocks = CHUNK // SUB
+        x.launch(channel_products_kernel, x.config("channel_products"),
+                 (num_chunks, value_heads, blocks * (blocks + 1) // 2), x.q, x.k, x.g, pqk, pkk, chunk_seq,
+                 chunk_start, x.cu)
     if x.beta is not None:
         w = torch.empty(tokens, value_heads, v_dim, **f32)  # U, then W in place
         wk = torch.empty(tokens, value_heads, k_dim, **f32)
         t_inv = torch.empty(tokens, value_heads, CHUNK, **f32) if store_t else w
         if num_chunks:
-            x.launch(wy_kernel, x.config("wy"), (num_chunks, value_heads),
-                     x.k, x.v, _or(x.g, x.beta), x.beta, t_inv, w, wk, chunk_seq, chunk_start, x.cu,
-                     HAS_G=x.g is not None, STORE_T=store_t)
+            x.launch(wy_kernel, x.config("wy_per_channel" if x.per_channel else "wy"), (num_chunks, value_heads),
+                     x.k, x.v, _or(x.g, x.beta), x.beta, _or(pkk, w), t_inv, w, wk, chunk_seq, chunk_start, x.cu,
+                     HAS_G=x.g is not None, STORE_T=store_t, PER_CHANNEL=x.per_channel)
     h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     config = x.config("chunk_state")
     x.launch(chunk_state_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.k, x.v, _or(x.g, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk,
              HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None,
-             ACCURATE_EXP=not x.interpreted)
-    return t_inv, _or(w, x.v), wk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
+             ACCURATE_EXP=not x.interpreted, PER_CHANNEL=x.per_channel)
+    return t_inv, _or(w, x.v), wk, pqk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
 
 
 def _or(t, placeholder):
@@ -1003,13 +1293,13 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     x.rerun = functools.partial(chunk_forward, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
-    _, w, _, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
+    _, w, _, pqk, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
     o = torch.empty_like(x.v)
     if num_chunks:
         config = x.config("chunk_output")
         x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
-                 x.q, x.k, w, _or(x.g, x.k), h, o, chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None,
-                 SIXTEEN_BIT=x.low_qk)
+                 x.q, x.k, w, _or(x.g, x.k), _or(pqk, h), h, o, chunk_seq, chunk_start, x.cu, scale,
+                 HAS_G=x.g is not None, SIXTEEN_BIT=x.low_qk, PER_CHANNEL=x.per_channel)
     return o.view(v.shape), ht
 
 
@@ -1038,44 +1328,59 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
     delta = x.beta is not None
-    t_inv, w, wk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
+    if x.per_channel and not delta:
+        raise NotImplementedError("triton: a per-channel decay's chunked backward is the delta rule's only")
+    t_inv, w, wk, pqk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
     do = do.reshape(tokens, value_heads, v_dim).contiguous()
     f32 = dict(dtype=torch.float32, device=device)
     dh = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     dw = torch.empty(tokens, value_heads, v_dim, **f32)  # dW, then dR in place (delta rule); dv itself for GLA
     dht = None if dht is None else dht.float().contiguous()
-    config = x.config("chunk_state_backward")
+    config = x.config("chunk_state_backward_per_channel" if x.per_channel else "chunk_state_backward")
     x.launch(chunk_state_backward_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
-             x.q, x.k, _or(wk, x.k), _or(x.g, x.k), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk, scale,
-             HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta,
-             ACCURATE_EXP=not x.interpreted)
+             x.q, x.k, _or(wk, x.k), _or(x.g, x.k), _or(pqk, dh0), do, _or(dht, dh0), dh, dh0, dw, x.cu, first_chunk,
+             scale, HAS_G=x.g is not None, HAS_DHT=dht is not None, DELTA=delta, ACCURATE_EXP=not x.interpreted,
+             PER_CHANNEL=x.per_channel)
     dq = torch.empty(tokens, value_heads, k_dim, **f32)
     dk = torch.empty(tokens, value_heads, k_dim, **f32)
     dv = torch.empty(tokens, value_heads, v_dim, **f32) if delta else dw
     dbeta = torch.empty(tokens, value_heads, **f32) if delta else None
-    dg = torch.empty(tokens, value_heads, **f32) if x.g is not None else None
+    decay_parts = (k_dim,) if x.per_channel else ()  # dL/db per channel for a per-channel decay
+    dg = torch.empty(tokens, value_heads, *decay_parts, **f32) if x.g is not None else None
     if num_chunks:
         dp = torch.empty(tokens, value_heads, CHUNK, **f32)
         da = torch.empty(tokens, value_heads, CHUNK, **f32) if delta else None
         x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
-                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None, DELTA=delta,
-                 SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)
+                 chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None and not x.per_channel, DELTA=delta,
+                 SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)  # a per-channel decay: dP, dA undecayed
         config = x.config("chunk_grad")
         blocks = triton.cdiv(k_dim, config.block_k)
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
-        db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
-        x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
-                 x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
-                 _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
-                 HAS_G=x.g is not None, DELTA=delta)
+        if x.per_channel:  # each K block writes its own channels of db
+            db = torch.empty(tokens, value_heads, k_dim, **f32)
+            config = x.config("chunk_grad_channel")
+            blocks = triton.cdiv(k_dim, config.block_k)
+            dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32)
+            x.launch(chunk_grad_channel_kernel, config, (num_chunks, value_heads, blocks),
+                     x.q, x.k, w, x.g, x.beta, h, dh, do, dw, dp, da, dq, dk, dbeta_parts, db, chunk_seq, chunk_start,
+                     x.cu, scale, tokens)
+        else:
+            db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
+            x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
+                     x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
+                     _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
+                     HAS_G=x.g is not None, DELTA=delta)
+            db = None if db_parts is None else db_parts.sum(0)
         if delta:
             dbeta += dbeta_parts.sum(0)
         if x.g is not None:
             # b is the cumulative sum of g within each chunk: dg is the reverse cumulative sum of db there
-            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, value_heads), db_parts.sum(0), dg, x.cu,
-                     WITHIN_CHUNKS=True)
+            # (each channel of a per-channel decay a column of its own)
+            columns = value_heads * (k_dim if x.per_channel else 1)
+            x.launch(reverse_cumsum_kernel, Config(), (x.num_seqs, columns), db, dg, x.cu, WITHIN_CHUNKS=True,
+                     HV=columns)
     return _finish(x, dq, dk, dv, dg, dbeta, dh0, initial_state is not None)
 
 
@@ -1147,7 +1452,9 @@ def recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqle
     return _finish(x, dq.sum(0), dk, dv, dg, None if dbeta is None else dbeta.sum(0), dh0, initial_state is not None)
 
 
-RECURRENT_KERNELS = (recurrent_kernel, recurrent_backward_kernel)
+# the kernels with a PER_CHANNEL flag
+PER_CHANNEL_KERNELS = (wy_kernel, chunk_state_kernel, chunk_output_kernel, chunk_state_backward_kernel,
+                       recurrent_kernel, recurrent_backward_kernel)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INDEX_POINTERS = ("cu_ptr", "chunk_seq_ptr", "chunk_start_ptr", "first_chunk_ptr")
 _INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr")
@@ -1180,15 +1487,17 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
     """``[(name, kernel, signature, constexprs, config, has_dots)]``: every kernel of one problem
     (Qwen3-Next-like head sizes by default) at its default config for compute capability ``arch``,
     to build ahead of time for inputs of ``dtype``; ``per_channel`` (with ``delta``) adds the
-    step-by-step kernels' builds for a per-channel decay (Kimi Delta Attention)."""
+    builds for a per-channel decay (Kimi Delta Attention): its products kernel, and the chunked
+    forward's and the step-by-step kernels with PER_CHANNEL."""
     low = _low_precision(dtype, interpreted=False)
     accurate = dict(ACCURATE_EXP=True)
     cases = [  # (name, kernel, config name, flags, has dots, type of out_ptr)
-        ("chunk_state", chunk_state_kernel, "chunk_state", dict(HAS_G=True, HAS_H0=True, DELTA=delta, **accurate),
+        ("chunk_state", chunk_state_kernel, "chunk_state",
+         dict(HAS_G=True, HAS_H0=True, DELTA=delta, PER_CHANNEL=False, **accurate), True, None),
+        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low, PER_CHANNEL=False),
          True, None),
-        ("chunk_output", chunk_output_kernel, "chunk_output", dict(HAS_G=True, SIXTEEN_BIT=low), True, None),
         ("chunk_state_backward", chunk_state_backward_kernel, "chunk_state_backward",
-         dict(HAS_G=True, HAS_DHT=True, DELTA=delta, **accurate), True, None),
+         dict(HAS_G=True, HAS_DHT=True, DELTA=delta, PER_CHANNEL=False, **accurate), True, None),
         ("chunk_grad_pairs", chunk_grad_pairs_kernel, "chunk_grad_pairs",
          dict(HAS_G=True, DELTA=delta, SIXTEEN_BIT=low), True, None),
         ("chunk_grad", chunk_grad_kernel, "chunk_grad", dict(HAS_G=True, DELTA=delta), True, None),
@@ -1197,7 +1506,7 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
          dict(HAS_G=True, DELTA=delta, HAS_DHT=True, PER_CHANNEL=False, **accurate), False, None),
     ]
     if delta:
-        cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True), True, None))
+        cases.append(("wy", wy_kernel, "wy", dict(HAS_G=True, STORE_T=True, PER_CHANNEL=False), True, None))
     for writes, out_type in ((WRITES_OUTPUTS, "*" + _TRITON_TYPES[dtype]), (WRITES_ERRORS, "*fp32"),
                              (WRITES_READ_GRADIENTS, "*fp32")):
         if writes is not WRITES_ERRORS or delta:
@@ -1205,8 +1514,14 @@ def compile_targets(dtype: torch.dtype, delta: bool = True, k_dim: int = 128, v_
                           dict(WRITES=writes.value, HAS_G=True, DELTA=delta, HAS_H0=True, HAS_DHT=True,
                                PER_CHANNEL=False, **accurate), False, out_type))
     if delta and per_channel:
-        cases += [(f"{name}_per_channel", kernel, config, {**flags, "PER_CHANNEL": True}, dots, out_type)
-                  for name, kernel, config, flags, dots, out_type in cases if kernel in RECURRENT_KERNELS]
+        own = {"wy": "wy_per_channel", "chunk_state_backward": "chunk_state_backward_per_channel"}
+        cases += [(f"{name}_per_channel", kernel, own.get(config, config),
+                   {**flags, "PER_CHANNEL": True}, dots, out_type)
+                  for name, kernel, config, flags, dots, out_type in cases if kernel in PER_CHANNEL_KERNELS]
+        cases += [("channel_products", channel_products_kernel, "channel_products", {}, True, None),
+                  ("chunk_grad_pairs_per_channel", chunk_grad_pairs_kernel, "chunk_grad_pairs",  # dP, dA undecayed
+                   dict(HAS_G=False, DELTA=True, SIXTEEN_BIT=low), True, None),
+                  ("chunk_grad_channel", chunk_grad_channel_kernel, "chunk_grad_channel", {}, True, None)]
     targets = []
     for name, kernel, config_name, kernel_flags, dots, out_type in cases:
         config = Config() if config_name is None else default_config(config_name, k_dim, v_dim, dtype, arch=arch)

@@ -19,7 +19,6 @@ KDA_OPS = ("chunk_kda", "fused_recurrent_kda")
 LINEAR_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla", *KDA_OPS)
 DELTA_OPS = LINEAR_OPS[:2]  # grouped value heads
 WITH_BETA = DELTA_OPS + KDA_OPS
-TRITON_OPS = (*LINEAR_OPS[:3], "fused_recurrent_kda")  # chunk_kda runs on the reference only so far
 ONE_HEAD_COUNT = ("chunk_simple_gla", *KDA_OPS)
 
 
@@ -113,10 +112,10 @@ DEVICE_CASES = [
                                    per_channel=op in KDA_OPS, **interpreter_sizes(cu_seqlens=(0, 9, 24)),
                                    **(interpreter_sizes(heads=(1, 1), k_dim=16, v_dim=16) if op in KDA_OPS else {})),
                  linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)))
-      for op in TRITON_OPS),
+      for op in LINEAR_OPS),
     *(DeviceCase(f"{op} 5k tokens, K = V = 128", op,
                  sized(family_ops.linear_attention_inputs, delta=op != "chunk_simple_gla", cu_seqlens=(0, 1000, 5 * K),
-                       heads=(4, 8), k_dim=128, v_dim=128),
+                       heads=(4, 8), k_dim=128, v_dim=128, per_channel=op in KDA_OPS),
                  linear_attention_run(op), grads=tuple(range(6 if op != "chunk_simple_gla" else 5)), **LARGE)
-      for op in ("chunk_gated_delta_rule", "chunk_simple_gla")),
+      for op in ("chunk_gated_delta_rule", "chunk_simple_gla", "chunk_kda")),
 ]
