@@ -27,6 +27,8 @@ RESULTS = BENCHMARKS / "results"
 # pytorch-ood needs torchvision, which does not install beside the CPU torch the project pins;
 # benchmarks/setup.sh gives it an environment of its own.
 PEERS_PYTHON = pathlib.Path(os.environ.get("TORCH_KERNELS_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
+# vLLM pins its own torch and transformers: scripts/setup_vllm.sh makes this environment.
+VLLM_PYTHON = pathlib.Path(os.environ.get("TORCH_KERNELS_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
 def seconds_per_call(fn, budget_s: float = 0.5, sync=None, case: dict | None = None) -> float:
@@ -276,15 +278,18 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def run_peer(script: str, request: dict, timeout_s: float = 3600) -> dict | None:
-    """Runs ``benchmarks/<script>`` under the peers' Python with ``request`` as JSON on stdin.
+def run_peer(script: str, request: dict, timeout_s: float = 3600, python: pathlib.Path = PEERS_PYTHON,
+             setup: str = "benchmarks/setup.sh") -> dict | None:
+    """Runs ``benchmarks/<script>`` under ``python`` (the peers' Python unless told) with ``request``
+    as JSON on stdin.
 
-    Returns its JSON answer, or ``None`` (with the reason printed) when the environment is missing.
+    Returns its JSON answer (its last line of output), or ``None`` (with the reason printed) when
+    the environment is missing (``setup`` makes it) or the script fails.
     """
-    if not PEERS_PYTHON.exists():
-        print(f"  peers: {PEERS_PYTHON} not found (run benchmarks/setup.sh); peer columns left out", file=sys.stderr)
+    if not python.exists():
+        print(f"  peers: {python} not found (run {setup}); peer columns left out", file=sys.stderr)
         return None
-    done = subprocess.run([str(PEERS_PYTHON), str(ROOT / "benchmarks" / script)], input=json.dumps(request),
+    done = subprocess.run([str(python), str(ROOT / "benchmarks" / script)], input=json.dumps(request),
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         print(f"  peers: {script} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
