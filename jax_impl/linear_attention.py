@@ -645,8 +645,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
               interpret=None):
     """Kimi Delta Attention: :func:`chunk_gated_delta_rule` with a log decay per key channel, ``g
     [B, T, HV, K]``, by the same chunked kernels (both directions)."""
-    if g.ndim != 4:
-        raise ValueError(f"g: expected a decay per key channel [B, T, HV, K], got shape {tuple(g.shape)}")
+    if g is None or g.ndim != 4:
+        got = "None" if g is None else f"shape {tuple(g.shape)}"
+        raise ValueError(f"g: expected a decay per key channel [B, T, HV, K], got {got}")
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
                                   interpret=interpret)
 

@@ -1355,14 +1355,11 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
                  chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None and not x.per_channel, DELTA=delta,
                  SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)  # a per-channel decay: dP, dA undecayed
-        config = x.config("chunk_grad")
+        config = x.config("chunk_grad_channel" if x.per_channel else "chunk_grad")
         blocks = triton.cdiv(k_dim, config.block_k)
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
         if x.per_channel:  # each K block writes its own channels of db
             db = torch.empty(tokens, value_heads, k_dim, **f32)
-            config = x.config("chunk_grad_channel")
-            blocks = triton.cdiv(k_dim, config.block_k)
-            dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32)
             x.launch(chunk_grad_channel_kernel, config, (num_chunks, value_heads, blocks),
                      x.q, x.k, w, x.g, x.beta, h, dh, do, dw, dp, da, dq, dk, dbeta_parts, db, chunk_seq, chunk_start,
                      x.cu, scale, tokens)

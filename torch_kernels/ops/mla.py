@@ -535,15 +535,19 @@ def padding_starts(mask: torch.Tensor | None, batch: int, q_len: int) -> torch.T
     return starts.expand(batch).cpu()
 
 
-def _latent_path(module, hidden_states, attention_mask, kwargs) -> torch.Tensor | None:
+def _latent_path(module, hidden_states, attention_mask, cache, kwargs) -> torch.Tensor | None:
     """Each batch row's first real position if this call is one the ops describe, else None (the
-    layer's own forward runs)."""
+    layer's own forward runs). Decided before anything is written to ``cache``."""
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in module.parameters())):
         return None  # the ops are inference-only
     if module.training and module.attention_dropout > 0:
         return None
     if kwargs.get("cu_seq_lens_q") is not None:
         return None  # packed rows: the mask (or the flash kwargs) describe them, not plain causality
+    if attention_mask is not None:
+        past = 0 if cache is None else cache.get_seq_length(module.layer_idx)
+        if attention_mask.shape[-1] != past + hidden_states.shape[1]:
+            return None  # a mask wider than the positions (a static cache's): which are real is its to say
     return padding_starts(attention_mask, *hidden_states.shape[:2])
 
 
@@ -634,7 +638,7 @@ def _modeling(original):
 def deepseek_v3_attention(module, original, implementation, hidden_states, position_embeddings=None,
                           attention_mask=None, cache=None, **kwargs):
     """``DeepseekV3Attention.forward`` in the latent space (``(out, None)``: no attention weights)."""
-    starts = _latent_path(module, hidden_states, attention_mask, kwargs)
+    starts = _latent_path(module, hidden_states, attention_mask, cache, kwargs)
     if starts is None:
         return original(module, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     q_nope, q_pe = _queries(module, hidden_states)
@@ -649,7 +653,7 @@ def deepseek_v3_attention(module, original, implementation, hidden_states, posit
 def kimi_linear_attention(module, original, implementation, hidden_states, attention_mask=None, cache=None, **kwargs):
     """``KimiLinearAttention.forward`` (MLA without RoPE: the shared key part is not rotated) in the
     latent space."""
-    starts = _latent_path(module, hidden_states, attention_mask, kwargs)
+    starts = _latent_path(module, hidden_states, attention_mask, cache, kwargs)
     if starts is None:
         return original(module, hidden_states, attention_mask, cache=cache, **kwargs)
     q_nope, q_pe = _queries(module, hidden_states)
@@ -687,7 +691,7 @@ def deepseek_v32_attention(module, original, implementation, hidden_states, posi
                            attention_mask=None, cache=None, position_ids=None, **kwargs):
     """``DeepseekV32Attention.forward``: the indexer's top-k through :func:`indexer_topk`, then
     sparse latent attention over the selected positions (``topk_indices``)."""
-    starts = _latent_path(module, hidden_states, attention_mask, kwargs)
+    starts = _latent_path(module, hidden_states, attention_mask, cache, kwargs)
     if starts is None:
         return original(module, hidden_states, position_embeddings, attention_mask, cache=cache,
                         position_ids=position_ids, **kwargs)
