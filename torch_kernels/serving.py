@@ -1,5 +1,6 @@
 """A small paged-KV serving loop: a transformers Llama model whose attention runs only through
-:func:`torch_kernels.ragged_paged_attention`, with continuous batching and chunked prefill.
+:func:`torch_kernels.ragged_paged_attention` (a DeepSeek-V3 model: through
+:func:`torch_kernels.ragged_paged_mla` over a latent cache), with continuous batching and chunked prefill.
 
 >>> from torch_kernels.models import load_smollm2
 >>> from torch_kernels.serving import Engine
@@ -40,19 +41,18 @@ import torch_kernels
 from torch_kernels.ood.features import normalize_layers, pool_span
 from torch_kernels.ood.gate import OODGate
 from torch_kernels.ood.recipes import combine_layers
+from torch_kernels.ops import mla
 
-__all__ = ["PagedKVCache", "PagedLlama", "Request", "StepStats", "Engine"]
+__all__ = ["BlockPool", "PagedKVCache", "PagedLatentCache", "PagedRunner", "PagedLlama", "PagedDeepseekV3",
+           "RUNNERS", "runner_for", "Request", "StepStats", "Engine"]
 
 
-class PagedKVCache:
-    """Per layer a key and a value cache ``[num_blocks, block_size, Hkv, D]``, and a free-block list."""
+class BlockPool:
+    """The cache's blocks of ``block_size`` tokens and their free list, shared by every layer; the
+    engine allocates and releases blocks here, a runner's cache class adds the tensors."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.free = collections.deque(range(num_blocks))
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -60,11 +60,33 @@ class PagedKVCache:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
-            raise RuntimeError(f"PagedKVCache: {n} blocks asked for, {len(self.free)} free")
+            raise RuntimeError(f"{type(self).__name__}: {n} blocks asked for, {len(self.free)} free")
         return [self.free.popleft() for _ in range(n)]
 
     def release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
+
+
+class PagedKVCache(BlockPool):
+    """Per layer a key and a value cache ``[num_blocks, block_size, Hkv, D]``, and a free-block list."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(num_blocks, block_size, device)
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+class PagedLatentCache(BlockPool):
+    """Per layer one latent cache ``[num_blocks, block_size, Lr + R]`` (multi-head latent
+    attention: each token's compressed latent and RoPE key, shared by every head), and a free-block list."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(num_blocks, block_size, device)
+        self.latent = [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+                       for _ in range(num_layers)]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,37 +94,36 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-class PagedLlama(nn.Module):
-    """Runs a transformers Llama-architecture ``*ForCausalLM`` with its own weights on a ragged
-    batch, attention through the paged-attention op (``implementation=`` goes to the op)."""
+class PagedRunner(nn.Module):
+    """A transformers ``*ForCausalLM`` (``model.model`` with ``embed_tokens``, ``layers``, ``norm``,
+    ``rotary_emb``; pre-norm decoder layers) run with its own weights on a ragged batch; a subclass
+    supplies the cache (:meth:`make_cache`) and each layer's attention (:meth:`attention`)."""
 
     def __init__(self, model: nn.Module, implementation: str | Sequence[str] | None = None):
         super().__init__()
-        config = model.config
         inner = getattr(model, "model", None)
-        parts = all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
-        if not parts or not hasattr(model, "lm_head") or hasattr(inner.layers[0].self_attn, "q_norm"):
-            raise TypeError(f"model: expected a Llama-architecture *ForCausalLM (no q/k norms), "
-                            f"got {type(model).__name__}")
-        self.model = model
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_size = inner.layers[0].self_attn.head_dim
-        # Mistral's window; models that mix layer kinds (Qwen2, Gemma) name each layer's
-        window = getattr(config, "sliding_window", None)
-        kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(inner.layers)
-        self.windows = [window if kind == "sliding_attention" else None for kind in kinds]
-        self.implementation = implementation
-
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        weight = self.model.lm_head.weight
-        return PagedKVCache(len(self.model.model.layers), num_blocks, block_size, self.num_kv_heads,
-                            self.head_size, weight.dtype, weight.device)
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+                or not hasattr(model, "lm_head"):
+            raise TypeError(f"model: expected a transformers *ForCausalLM, got {type(model).__name__}")
+        self.model, self.implementation = model, implementation
 
     @property
     def num_layers(self) -> int:
         return len(self.model.model.layers)
 
-    def forward(self, cache: PagedKVCache, input_ids, positions, cu_q_lens, kv_lens, block_table, slot_mapping,
+    def make_cache(self, num_blocks: int, block_size: int) -> BlockPool:
+        raise NotImplementedError
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """The ``(cos, sin)`` of the batch's positions, in the form :meth:`attention` takes."""
+        return self.model.model.rotary_emb(hidden[None], positions[None])
+
+    def attention(self, i: int, attn: nn.Module, x: torch.Tensor, rope, cache, batch: tuple, fused_write: bool):
+        """Layer ``i``'s attention output ``[T, hidden]`` of its normed input ``x [T, hidden]``;
+        ``batch`` is ``(cu_q_lens, kv_lens, block_table, slot_mapping)``."""
+        raise NotImplementedError
+
+    def forward(self, cache: BlockPool, input_ids, positions, cu_q_lens, kv_lens, block_table, slot_mapping,
                 logit_rows, fused_write: bool = True, hidden_layer: int | None = None):
         """Logits ``[len(logit_rows), vocab]`` of the given rows of the ragged batch ``input_ids [T]``.
 
@@ -111,28 +132,16 @@ class PagedLlama(nn.Module):
         after the final norm for ``num_layers``; returns ``(logits, hidden_states)``. A tuple of
         layers gives ``[len(hidden_layer), T, hidden]``.
         """
-        inner, t = self.model.model, input_ids.shape[0]
+        inner = self.model.model
         wanted = hidden_layer if isinstance(hidden_layer, tuple) else (hidden_layer,)
         captured = {}
         hidden = inner.embed_tokens(input_ids)
-        cos, sin = (x[0, :, None] for x in inner.rotary_emb(hidden[None], positions[None]))  # [T, 1, D]
+        rope, batch = self.rope(hidden, positions), (cu_q_lens, kv_lens, block_table, slot_mapping)
         for i, layer in enumerate(inner.layers):
             if i in wanted:
                 captured[i] = hidden
-            attn, x = layer.self_attn, layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(t, self.num_heads, self.head_size)
-            k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
-            v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_size)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            args = (cache.key[i], cache.value[i], cu_q_lens, kv_lens, block_table, attn.scaling, self.windows[i])
-            if fused_write:  # the op writes the new keys and values before attending
-                out = torch_kernels.ragged_paged_attention(q, *args, key=k, value=v, slot_mapping=slot_mapping,
-                                                           implementation=self.implementation)
-            else:
-                torch_kernels.reshape_and_cache(k, v, cache.key[i], cache.value[i], slot_mapping,
-                                                implementation=self.implementation)
-                out = torch_kernels.ragged_paged_attention(q, *args, implementation=self.implementation)
-            hidden = hidden + attn.o_proj(out.reshape(t, -1))
+            hidden = hidden + self.attention(i, layer.self_attn, layer.input_layernorm(hidden), rope, cache, batch,
+                                             fused_write)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         logits = self.model.lm_head(inner.norm(hidden[logit_rows]))
         if hidden_layer is None:
@@ -142,6 +151,95 @@ class PagedLlama(nn.Module):
         if isinstance(hidden_layer, tuple):
             return logits, torch.stack([captured[i] for i in hidden_layer])
         return logits, captured[hidden_layer]
+
+
+class PagedLlama(PagedRunner):
+    """Runs a transformers Llama-architecture ``*ForCausalLM`` with its own weights on a ragged
+    batch, attention through the paged-attention op (``implementation=`` goes to the op)."""
+
+    def __init__(self, model: nn.Module, implementation: str | Sequence[str] | None = None):
+        super().__init__(model, implementation)
+        config, inner = model.config, model.model
+        attn = inner.layers[0].self_attn
+        if hasattr(attn, "q_norm") or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")):
+            raise TypeError(f"model: expected a Llama-architecture *ForCausalLM (no q/k norms), "
+                            f"got {type(model).__name__}")
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = attn.head_dim
+        # Mistral's window; models that mix layer kinds (Qwen2, Gemma) name each layer's
+        window = getattr(config, "sliding_window", None)
+        kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(inner.layers)
+        self.windows = [window if kind == "sliding_attention" else None for kind in kinds]
+
+    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        weight = self.model.lm_head.weight
+        return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
+                            self.head_size, weight.dtype, weight.device)
+
+    def rope(self, hidden, positions):
+        return tuple(x[0, :, None] for x in super().rope(hidden, positions))  # [T, 1, D]
+
+    def attention(self, i, attn, x, rope, cache, batch, fused_write):
+        t, (cos, sin), (cu_q_lens, kv_lens, block_table, slot_mapping) = x.shape[0], rope, batch
+        q = attn.q_proj(x).view(t, self.num_heads, self.head_size)
+        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_size)
+        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_size)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        args = (cache.key[i], cache.value[i], cu_q_lens, kv_lens, block_table, attn.scaling, self.windows[i])
+        if fused_write:  # the op writes the new keys and values before attending
+            out = torch_kernels.ragged_paged_attention(q, *args, key=k, value=v, slot_mapping=slot_mapping,
+                                                       implementation=self.implementation)
+        else:
+            torch_kernels.reshape_and_cache(k, v, cache.key[i], cache.value[i], slot_mapping,
+                                            implementation=self.implementation)
+            out = torch_kernels.ragged_paged_attention(q, *args, implementation=self.implementation)
+        return attn.o_proj(out.reshape(t, -1))
+
+
+class PagedDeepseekV3(PagedRunner):
+    """Runs a transformers DeepSeek-V3 ``DeepseekV3ForCausalLM`` with its own weights on a ragged
+    batch, multi-head latent attention in the absorbed form (``W_UK`` folded into the query,
+    ``W_UV`` applied to the output) over a :class:`PagedLatentCache`: each layer writes the new
+    latents with ``mla_reshape_and_cache`` and attends with ``ragged_paged_mla``, whatever
+    ``fused_write`` says (the latent op has no fused write). The MLP or MoE and the norms are the
+    model's own modules."""
+
+    def __init__(self, model: nn.Module, implementation: str | Sequence[str] | None = None):
+        super().__init__(model, implementation)
+        attn = model.model.layers[0].self_attn
+        if not hasattr(attn, "kv_b_proj"):
+            raise TypeError(f"model: expected a DeepSeek-V3 *ForCausalLM (MLA layers with kv_b_proj), "
+                            f"got {type(model).__name__}")
+        why = mla.unsupported(attn)
+        if why is not None:
+            raise TypeError(f"model: its MLA weights cannot be absorbed: {why}")
+
+    def make_cache(self, num_blocks: int, block_size: int) -> PagedLatentCache:
+        attn, weight = self.model.model.layers[0].self_attn, self.model.lm_head.weight
+        return PagedLatentCache(self.num_layers, num_blocks, block_size, attn.kv_lora_rank + attn.qk_rope_head_dim,
+                                weight.dtype, weight.device)
+
+    def attention(self, i, attn, x, rope, cache, batch, fused_write):
+        cu_q_lens, kv_lens, block_table, slot_mapping = batch
+        # the layer's own projections and RoPE on a batch of one row, [1, H or 1, T, ...]
+        q_nope, q_pe = mla.project_queries(attn, x[None])
+        c, k_pe = mla.project_latents(attn, x[None])
+        q_pe, k_pe = mla.deepseek_v3_rope(attn)(q_pe, k_pe, *rope)
+        mla.mla_reshape_and_cache(c[0, 0], k_pe[0, 0], cache.latent[i], slot_mapping,
+                                  implementation=self.implementation)
+        out = mla.ragged_paged_mla(mla.absorbed_query(attn, q_nope[0].transpose(0, 1)), q_pe[0].transpose(0, 1),
+                                   cache.latent[i], cu_q_lens, kv_lens, block_table, attn.scaling,
+                                   implementation=self.implementation)
+        return attn.o_proj(mla.value_output(attn, out))
+
+
+# the runner of each config.model_type; any other model runs as Llama (which checks its layers)
+RUNNERS: dict[str, type[PagedRunner]] = {"deepseek_v3": PagedDeepseekV3}
+
+
+def runner_for(model: nn.Module) -> type[PagedRunner]:
+    """The runner class that serves ``model``, by its ``config.model_type``."""
+    return RUNNERS.get(getattr(getattr(model, "config", None), "model_type", None), PagedLlama)
 
 
 @dataclasses.dataclass
@@ -169,7 +267,7 @@ class Request:
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.prompt)
 
-    def blocks_needed(self, cache: PagedKVCache) -> int:
+    def blocks_needed(self, cache: BlockPool) -> int:
         # the last generated token is never fed back, so its key and value need no slot
         return cache.blocks_for(len(self.prompt) + self.max_new_tokens - 1)
 
@@ -192,9 +290,11 @@ class StepStats:
 
 
 class Engine:
-    """Continuous batching with chunked prefill and greedy sampling over a :class:`PagedKVCache`.
+    """Continuous batching with chunked prefill and greedy sampling over a paged cache.
 
-    The cache holds ``num_blocks`` blocks of ``block_size`` tokens per layer; a step runs at most
+    The runner and its cache follow the model's ``config.model_type`` (:data:`RUNNERS`): DeepSeek-V3
+    runs on the MLA ops over a :class:`PagedLatentCache`, other models as Llama over a
+    :class:`PagedKVCache`. The cache holds ``num_blocks`` blocks of ``block_size`` tokens per layer; a step runs at most
     ``max_batched_tokens`` tokens of at most ``max_seqs`` sequences. ``eos_token_id`` defaults to
     the model's generation config; ``implementation`` picks the attention ops' backend;
     ``fused_write=False`` writes the cache with ``reshape_and_cache`` before each attention call
@@ -211,7 +311,7 @@ class Engine:
             _check_count(name, n)  # a zero budget would schedule nothing, forever
         if ood_gate is not None and not isinstance(ood_gate, OODGate):
             raise TypeError(f"ood_gate: expected a torch_kernels.ood.OODGate or None, got {type(ood_gate).__name__}")
-        self.runner = PagedLlama(model, implementation)
+        self.runner = runner_for(model)(model, implementation)
         self.ood_gate = ood_gate
         self._gate_layer = None if ood_gate is None else normalize_layers(ood_gate.layers, self.runner.num_layers)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -297,7 +397,7 @@ class Engine:
         chunks = self._schedule()
         if not chunks:
             return []
-        bs, device = self.cache.block_size, self.cache.key[0].device
+        bs, device = self.cache.block_size, self.cache.device
         ids, positions, slots, q_lens, kv_lens, rows = [], [], [], [], [], []
         for seq, n in chunks:
             span = range(seq.num_cached, seq.num_cached + n)

@@ -551,7 +551,7 @@ def _latent_path(module, hidden_states, attention_mask, cache, kwargs) -> torch.
     return padding_starts(attention_mask, *hidden_states.shape[:2])
 
 
-def _queries(module, hidden_states):
+def project_queries(module, hidden_states):
     """``(q_nope [B, H, T, dn], q_pe [B, H, T, R])``, as the layer projects them (RoPE not applied)."""
     batch, length = hidden_states.shape[:2]
     if getattr(module, "q_lora_rank", None) is None:
@@ -562,12 +562,28 @@ def _queries(module, hidden_states):
     return q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
 
 
-def _latents(module, hidden_states):
+def project_latents(module, hidden_states):
     """``(c [B, 1, T, Lr]`` normed, ``k_pe [B, 1, T, R])`` (RoPE not applied), the cache's entries."""
     batch, length = hidden_states.shape[:2]
     c, k_pe = module.kv_a_proj_with_mqa(hidden_states).split([module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     return (module.kv_a_layernorm(c).view(batch, 1, length, module.kv_lora_rank),
             k_pe.view(batch, 1, length, module.qk_rope_head_dim))
+
+
+def absorbed_query(module, q_nope: torch.Tensor) -> torch.Tensor:
+    """``q_nope [N, H, dn]`` (token-major) times each head's ``W_UK``: the latent-space query
+    ``[N, H, Lr]`` that :func:`ragged_paged_mla` takes."""
+    heads, nope = q_nope.shape[1:]
+    weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)
+    return torch.einsum("thd,hdl->thl", q_nope, weight[:, :nope])
+
+
+def value_output(module, out: torch.Tensor) -> torch.Tensor:
+    """The attention's latent output ``[N, H, Lr]`` times each head's ``W_UV``: ``[N, H * dv]``,
+    the input of ``o_proj``."""
+    heads = out.shape[1]
+    weight = module.kv_b_proj.weight.view(heads, -1, out.shape[2])
+    return torch.einsum("thl,hvl->thv", out, weight[:, -module.v_head_dim:]).reshape(out.shape[0], -1)
 
 
 def _batch(q_len: int, kv_lens: torch.Tensor, width: int, device):
@@ -600,9 +616,7 @@ def latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation, topk
     positions ``<= S - T + i``)."""
     batch, heads, q_len, nope = q_nope.shape
     kv_len, latent = c.shape[2:]
-    weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, latent)
-    w_uk, w_uv = weight[:, :nope], weight[:, nope:]
-    q_latent = torch.einsum("bhtd,hdl->bthl", q_nope, w_uk).reshape(batch * q_len, heads, latent)
+    q_latent = absorbed_query(module, q_nope.transpose(1, 2).reshape(batch * q_len, heads, nope))
     q_rope = q_pe.transpose(1, 2).reshape(batch * q_len, heads, -1)
     cu_q_lens, kv_lens, table = _batch(q_len, kv_len - starts, kv_len, c.device)
     # the positions cached before this call are copied in; this call's own go through the cache write
@@ -615,8 +629,7 @@ def latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation, topk
                           cache, slots, implementation=implementation)
     out = ragged_paged_mla(q_latent, q_rope, cache, cu_q_lens, kv_lens, table, module.scaling,
                            topk_indices=topk_indices, implementation=implementation)
-    out = torch.einsum("thl,hvl->thv", out, w_uv).reshape(batch, q_len, heads * module.v_head_dim)
-    return module.o_proj(out)
+    return module.o_proj(value_output(module, out).view(batch, q_len, -1))
 
 
 def _cached(module, cache, c, k_pe, attention_mask, kwargs):
@@ -635,17 +648,23 @@ def _modeling(original):
     return sys.modules[original.__module__]
 
 
+def deepseek_v3_rope(module, original=None):
+    """The RoPE function DeepSeek-V3's layer applies to ``(q_pe, k_pe, cos, sin)``: interleaved pairs
+    or halves, as its config says (``original``: a function of its modeling module, else the
+    layer's class's)."""
+    modeling = _modeling(original if original is not None else type(module))
+    return modeling.apply_rotary_pos_emb_interleave if module.config.rope_interleave else modeling.apply_rotary_pos_emb
+
+
 def deepseek_v3_attention(module, original, implementation, hidden_states, position_embeddings=None,
                           attention_mask=None, cache=None, **kwargs):
     """``DeepseekV3Attention.forward`` in the latent space (``(out, None)``: no attention weights)."""
     starts = _latent_path(module, hidden_states, attention_mask, cache, kwargs)
     if starts is None:
         return original(module, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    q_nope, q_pe = _queries(module, hidden_states)
-    c, k_pe = _latents(module, hidden_states)
-    modeling = _modeling(original)
-    rope = modeling.apply_rotary_pos_emb_interleave if module.config.rope_interleave else modeling.apply_rotary_pos_emb
-    q_pe, k_pe = rope(q_pe, k_pe, *position_embeddings)
+    q_nope, q_pe = project_queries(module, hidden_states)
+    c, k_pe = project_latents(module, hidden_states)
+    q_pe, k_pe = deepseek_v3_rope(module, original)(q_pe, k_pe, *position_embeddings)
     c, k_pe = _cached(module, cache, c, k_pe, attention_mask, kwargs)
     return latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation), None
 
@@ -656,8 +675,8 @@ def kimi_linear_attention(module, original, implementation, hidden_states, atten
     starts = _latent_path(module, hidden_states, attention_mask, cache, kwargs)
     if starts is None:
         return original(module, hidden_states, attention_mask, cache=cache, **kwargs)
-    q_nope, q_pe = _queries(module, hidden_states)
-    c, k_pe = _latents(module, hidden_states)
+    q_nope, q_pe = project_queries(module, hidden_states)
+    c, k_pe = project_latents(module, hidden_states)
     c, k_pe = _cached(module, cache, c, k_pe, attention_mask, kwargs)
     return latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation), None
 
@@ -699,7 +718,7 @@ def deepseek_v32_attention(module, original, implementation, hidden_states, posi
     q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
     q = module.q_b_proj(q_resid).view(batch, length, -1, module.qk_head_dim).transpose(1, 2)
     q_nope, q_pe = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-    c, k_pe = _latents(module, hidden_states)
+    c, k_pe = project_latents(module, hidden_states)
     modeling = _modeling(original)
     q_pe, k_pe = modeling.apply_rotary_pos_emb_interleave(q_pe, k_pe, *position_embeddings)
     c, k_pe = _cached(module, cache, c, k_pe, attention_mask, kwargs)
