@@ -90,13 +90,12 @@ backends.register("fused_recurrent_gated_delta_rule_backward", "sycl", "oneapi_i
 for _op in PER_CHANNEL_OPS:
     backends.register(_op, "reference", _reference_forward(_op))
     backends.register(f"{_op}_backward", "reference", reference_backward)
-for _backend, _forward, _backward in (
-        ("triton", "triton_impl.linear_attention:chunk_forward", "triton_impl.linear_attention:chunk_backward"),
-        ("pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_forward",
-         "torch_kernels.pallas.linear_attention:pallas_chunk_backward"),
-        ("sycl", "oneapi_impl.linear_attention:chunk_forward", "oneapi_impl.linear_attention:chunk_backward")):
-    backends.register(CHUNK_KDA, _backend, _forward)
-    backends.register("chunk_kda_backward", _backend, _backward)
+backends.register(CHUNK_KDA, "triton", "triton_impl.linear_attention:chunk_forward")
+backends.register("chunk_kda_backward", "triton", "triton_impl.linear_attention:chunk_backward")
+backends.register(CHUNK_KDA, "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_forward")
+backends.register("chunk_kda_backward", "pallas", "torch_kernels.pallas.linear_attention:pallas_chunk_backward")
+backends.register(CHUNK_KDA, "sycl", "oneapi_impl.linear_attention:chunk_forward")
+backends.register("chunk_kda_backward", "sycl", "oneapi_impl.linear_attention:chunk_backward")
 backends.register(RECURRENT_KDA, "triton", "triton_impl.linear_attention:recurrent_forward")
 backends.register("fused_recurrent_kda_backward", "triton", "triton_impl.linear_attention:recurrent_backward")
 backends.register(RECURRENT_KDA, "pallas", "torch_kernels.pallas.linear_attention:pallas_recurrent_forward")
@@ -104,7 +103,7 @@ backends.register("fused_recurrent_kda_backward", "pallas",
                   "torch_kernels.pallas.linear_attention:pallas_recurrent_backward")
 backends.register(RECURRENT_KDA, "sycl", "oneapi_impl.linear_attention:recurrent_forward")
 backends.register("fused_recurrent_kda_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
-del _op, _backend, _forward, _backward
+del _op, _backward
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool,
                  per_channel: bool = False) -> None:
