@@ -153,6 +153,13 @@ def _sparse_kernel(token_seq_ref, cu_ref, kv_lens_ref, table_ref, topk_ref, scal
     _finish(o_ref, lse_ref, m_ref, l_ref, acc_ref, scale_ref[0])
 
 
+def _token_sequences(cu, num_tokens: int):
+    """int32 ``[T]``: the sequence each token of the ragged batch belongs to, from its offsets ``cu``
+    (tokens past the last offset go to the last sequence)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    return jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), cu.shape[0] - 2).astype(jnp.int32)
+
+
 def _scratch(rows: int, latent: int):
     return [pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
             pltpu.VMEM((rows, latent), jnp.float32)]
@@ -194,8 +201,7 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
         tile = min(SPARSE_TILE, round_up(topk_indices.shape[1], 8))
         listed = jnp.pad(topk_indices.astype(jnp.int32), ((0, 0), (0, round_up(topk_indices.shape[1], tile)
                                                                      - topk_indices.shape[1])), constant_values=-1)
-        token_seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(num_tokens), side="right"),
-                                num_seqs - 1).astype(jnp.int32)
+        token_seq = _token_sequences(cu, num_tokens)
         row_spec = lambda n: pl.BlockSpec((1, num_heads, n), lambda t, *_: (t, 0, 0))  # noqa: E731
         out, lse = pl.pallas_call(
             functools.partial(_sparse_kernel, width=listed.shape[1], tile=tile, **static),
@@ -275,8 +281,7 @@ def indexer_scores(q, k_cache, weights, cu_q_lens, kv_lens, block_table, *, inte
     kv_pages = max(1, min(max(1, max_pages), KV_TILE // block_size))
     width = round_up(max(1, max_pages) * block_size, kv_pages * block_size)
     cu, lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
-    token_seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(num_tokens), side="right"),
-                            num_seqs - 1).astype(jnp.int32)
+    token_seq = _token_sequences(cu, num_tokens)
     table = jnp.pad(block_table.astype(jnp.int32).reshape(-1), (0, 1 if max_pages == 0 else 0))
     compute_dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype  # as the attention computes it
     return pl.pallas_call(
@@ -300,9 +305,8 @@ def indexer_scores(q, k_cache, weights, cu_q_lens, kv_lens, block_table, *, inte
 def _seen_end(cu_q_lens, kv_lens, num_tokens):
     """Per token, one past the last position it sees."""
     cu, lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), lens.shape[0] - 1)
-    return lens[seq] - cu[seq + 1] + t + 1
+    seq = _token_sequences(cu, num_tokens)
+    return lens[seq] - cu[seq + 1] + jnp.arange(num_tokens, dtype=jnp.int32) + 1
 
 
 @functools.partial(jax.jit, static_argnames=("top_k",))
