@@ -551,13 +551,17 @@ def _latent_path(module, hidden_states, attention_mask, cache, kwargs) -> torch.
     return padding_starts(attention_mask, *hidden_states.shape[:2])
 
 
-def project_queries(module, hidden_states):
-    """``(q_nope [B, H, T, dn], q_pe [B, H, T, R])``, as the layer projects them (RoPE not applied)."""
+def project_queries(module, hidden_states, q_resid=None):
+    """``(q_nope [B, H, T, dn], q_pe [B, H, T, R])``, as the layer projects them (RoPE not applied);
+    ``q_resid``: the low-rank query's normed latent, ``q_a_layernorm(q_a_proj(x))``, where the caller
+    has it already (DeepSeek-V3.2's indexer reads it too)."""
     batch, length = hidden_states.shape[:2]
     if getattr(module, "q_lora_rank", None) is None:
         q = module.q_proj(hidden_states)
     else:
-        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+        if q_resid is None:
+            q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+        q = module.q_b_proj(q_resid)
     q = q.view(batch, length, -1, module.qk_head_dim).transpose(1, 2)
     return q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
 
@@ -714,10 +718,8 @@ def deepseek_v32_attention(module, original, implementation, hidden_states, posi
     if starts is None:
         return original(module, hidden_states, position_embeddings, attention_mask, cache=cache,
                         position_ids=position_ids, **kwargs)
-    batch, length = hidden_states.shape[:2]
     q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
-    q = module.q_b_proj(q_resid).view(batch, length, -1, module.qk_head_dim).transpose(1, 2)
-    q_nope, q_pe = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    q_nope, q_pe = project_queries(module, hidden_states, q_resid)
     c, k_pe = project_latents(module, hidden_states)
     modeling = _modeling(original)
     q_pe, k_pe = modeling.apply_rotary_pos_emb_interleave(q_pe, k_pe, *position_embeddings)
