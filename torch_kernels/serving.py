@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import numbers
+import sys
 import time
 from typing import Sequence
 
@@ -44,7 +45,7 @@ from torch_kernels.ood.recipes import combine_layers
 from torch_kernels.ops import mla
 
 __all__ = ["BlockPool", "PagedKVCache", "PagedLatentCache", "PagedRunner", "PagedLlama", "PagedDeepseekV3",
-           "RUNNERS", "runner_for", "Request", "StepStats", "Engine"]
+           "PagedDeepseekV32", "RUNNERS", "runner_for", "Request", "StepStats", "Engine"]
 
 
 class BlockPool:
@@ -80,13 +81,17 @@ class PagedKVCache(BlockPool):
 
 class PagedLatentCache(BlockPool):
     """Per layer one latent cache ``[num_blocks, block_size, Lr + R]`` (multi-head latent
-    attention: each token's compressed latent and RoPE key, shared by every head), and a free-block list."""
+    attention: each token's compressed latent and RoPE key, shared by every head), and a free-block
+    list; with ``index_width`` (DeepSeek-V3.2) per layer the indexer's keys too,
+    ``[num_blocks, block_size, index_width]`` in the same blocks."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_width: int = 0):
         super().__init__(num_blocks, block_size, device)
         self.latent = [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
                        for _ in range(num_layers)]
+        self.index_keys = [torch.zeros(num_blocks, block_size, index_width, dtype=dtype, device=device)
+                           for _ in range(num_layers if index_width else 0)]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -216,25 +221,55 @@ class PagedDeepseekV3(PagedRunner):
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedLatentCache:
         attn, weight = self.model.model.layers[0].self_attn, self.model.lm_head.weight
+        indexer = getattr(attn, "indexer", None)
         return PagedLatentCache(self.num_layers, num_blocks, block_size, attn.kv_lora_rank + attn.qk_rope_head_dim,
-                                weight.dtype, weight.device)
+                                weight.dtype, weight.device, 0 if indexer is None else indexer.head_dim)
+
+    def rotate(self, attn: nn.Module):
+        """The RoPE function the layer applies to ``(q_pe, k_pe, cos, sin)``."""
+        return mla.deepseek_v3_rope(attn)
+
+    def select(self, i, attn, x, q_resid, rope, cache, batch) -> torch.Tensor | None:
+        """Each query's selected positions (``topk_indices`` of ``ragged_paged_mla``), None: all."""
+        return None
 
     def attention(self, i, attn, x, rope, cache, batch, fused_write):
         cu_q_lens, kv_lens, block_table, slot_mapping = batch
         # the layer's own projections and RoPE on a batch of one row, [1, H or 1, T, ...]
-        q_nope, q_pe = mla.project_queries(attn, x[None])
+        q_resid = None if getattr(attn, "q_lora_rank", None) is None else attn.q_a_layernorm(attn.q_a_proj(x[None]))
+        q_nope, q_pe = mla.project_queries(attn, x[None], q_resid)
         c, k_pe = mla.project_latents(attn, x[None])
-        q_pe, k_pe = mla.deepseek_v3_rope(attn)(q_pe, k_pe, *rope)
+        q_pe, k_pe = self.rotate(attn)(q_pe, k_pe, *rope)
         mla.mla_reshape_and_cache(c[0, 0], k_pe[0, 0], cache.latent[i], slot_mapping,
                                   implementation=self.implementation)
         out = mla.ragged_paged_mla(mla.absorbed_query(attn, q_nope[0].transpose(0, 1)), q_pe[0].transpose(0, 1),
                                    cache.latent[i], cu_q_lens, kv_lens, block_table, attn.scaling,
+                                   topk_indices=self.select(i, attn, x, q_resid, rope, cache, batch),
                                    implementation=self.implementation)
         return attn.o_proj(mla.value_output(attn, out))
 
 
+class PagedDeepseekV32(PagedDeepseekV3):
+    """:class:`PagedDeepseekV3` for DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): each layer's indexer
+    writes its keys into the cache's ``index_keys`` (same blocks and slots as the latents) and picks
+    every query's positions with ``indexer_topk``; the attention runs over those only."""
+
+    def rotate(self, attn):
+        return sys.modules[type(attn).__module__].apply_rotary_pos_emb_interleave  # V3.2 always interleaves
+
+    def select(self, i, attn, x, q_resid, rope, cache, batch):
+        cu_q_lens, kv_lens, block_table, slot_mapping = batch
+        indexer, keys = attn.indexer, cache.index_keys[i]
+        q, k, weights = mla.project_indexer(indexer, x[None], q_resid, rope, sys.modules[type(attn).__module__])
+        keys.view(-1, keys.shape[-1]).index_copy_(0, slot_mapping, k[0])
+        # at most every position the block table can hold: no device sync for the longest sequence
+        top_k = min(indexer.index_topk, block_table.shape[1] * keys.shape[1])
+        return mla.indexer_topk(q[0], keys, weights[0], cu_q_lens, kv_lens, block_table, top_k,
+                                implementation=self.implementation)
+
+
 # the runner of each config.model_type; any other model runs as Llama (which checks its layers)
-RUNNERS: dict[str, type[PagedRunner]] = {"deepseek_v3": PagedDeepseekV3}
+RUNNERS: dict[str, type[PagedRunner]] = {"deepseek_v3": PagedDeepseekV3, "deepseek_v32": PagedDeepseekV32}
 
 
 def runner_for(model: nn.Module) -> type[PagedRunner]:
@@ -293,7 +328,7 @@ class Engine:
     """Continuous batching with chunked prefill and greedy sampling over a paged cache.
 
     The runner and its cache follow the model's ``config.model_type`` (:data:`RUNNERS`): DeepSeek-V3
-    runs on the MLA ops over a :class:`PagedLatentCache`, other models as Llama over a
+    and V3.2 run on the MLA ops over a :class:`PagedLatentCache`, other models as Llama over a
     :class:`PagedKVCache`. The cache holds ``num_blocks`` blocks of ``block_size`` tokens per layer; a step runs at most
     ``max_batched_tokens`` tokens of at most ``max_seqs`` sequences. ``eos_token_id`` defaults to
     the model's generation config; ``implementation`` picks the attention ops' backend;

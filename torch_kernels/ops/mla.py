@@ -685,11 +685,10 @@ def kimi_linear_attention(module, original, implementation, hidden_states, atten
     return latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation), None
 
 
-def _indexer_topk(indexer, hidden_states, q_resid, position_embeddings, cache, kv_len, starts, implementation,
-                  modeling):
-    """DeepSeek-V3.2's indexer selection through :func:`indexer_topk`: its queries and keys as its
-    forward projects them (half-split RoPE on the first R dims), the keys through the cache's
-    indexer store, the per-head weights with both of its scales folded in. Returns int32 ``[B*T, k]``."""
+def project_indexer(indexer, hidden_states, q_resid, position_embeddings, modeling):
+    """DeepSeek-V3.2's indexer inputs as its forward projects them: ``(q [B, T, Hi, Di], k [B, T, Di],
+    weights [B, T, Hi])``, half-split RoPE on the first R dims of ``q`` and ``k``, the per-head weights
+    float32 with both of the indexer's scales folded in (``modeling``: the layer's modeling module)."""
     batch, length = hidden_states.shape[:2]
     rope = indexer.qk_rope_head_dim
     q = indexer.wq_b(q_resid).view(batch, length, indexer.n_heads, indexer.head_dim)
@@ -697,12 +696,20 @@ def _indexer_topk(indexer, hidden_states, q_resid, position_embeddings, cache, k
     q_rot, k_rot = modeling.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], *position_embeddings, unsqueeze_dim=2)
     q = torch.cat([q_rot, q[..., rope:]], dim=-1)
     k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, weights * (indexer.n_heads ** -0.5 * indexer.softmax_scale)
+
+
+def _indexer_topk(indexer, hidden_states, q_resid, position_embeddings, cache, kv_len, starts, implementation,
+                  modeling):
+    """DeepSeek-V3.2's indexer selection through :func:`indexer_topk`, its keys through the cache's
+    indexer store. Returns int32 ``[B*T, k]``."""
+    batch, length = hidden_states.shape[:2]
+    q, k, weights = project_indexer(indexer, hidden_states, q_resid, position_embeddings, modeling)
     if cache is not None:
         k = cache.update_indexer(k, indexer.layer_idx)
     if k.shape[1] != kv_len:
         raise RuntimeError(f"the indexer's cache holds {k.shape[1]} positions, the latent cache {kv_len}")
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
-    weights = weights * (indexer.n_heads ** -0.5 * indexer.softmax_scale)
     cu_q_lens, kv_lens, table = _batch(length, kv_len - starts, kv_len, k.device)
     top_k = min(indexer.index_topk, kv_len)  # as the indexer takes it (positions it cannot see come out -1)
     return indexer_topk(q.reshape(batch * length, indexer.n_heads, -1), _paged(k, starts),
