@@ -160,7 +160,9 @@ void ragged_paged_mla(__global const q_t *q_nope, __global const q_t *q_pe, __gl
 
 // DeepSeek-V3.2's lightning indexer fused with its top-k (torch_kernels.reference.mla.indexer_topk).
 // Build-time macros: Q_KIND (q and k_cache), HI, DI (indexer heads and head size), TOPK_P (the
-// kept keys: top_k rounded up to a power of two).
+// kept keys: top_k rounded up to a power of two); Q_IN_GLOBAL where the queries do not fit local
+// memory beside the keys (DeepSeek-V3.2's 64 x 128 float32 queries and top 2048 take 65,792 bytes,
+// over a GPU's 64 KiB): every work-item reads the token's queries from q instead, the same values.
 // A work-group per token (NDRange (T * WG_I), work-groups WG_I): its queries and weights staged
 // in local memory, it scores TOPK_P positions at a time (a work-item per position) as int64 keys,
 // score bits made monotone in the high half and the position reversed in the low half (higher
@@ -203,7 +205,12 @@ void indexer_topk(__global const q_t *q, __global const q_t *k_cache, __global c
                   __global const int *cu_q_lens, __global const int *kv_lens, __global const int *block_table,
                   __global int *out, int num_seqs, int block_size, int max_blocks, int top_k,
                   long cache_base, long block_stride, long slot_stride) {
+#ifdef Q_IN_GLOBAL
+#define QS(h, d) LOAD(Q_KIND, q, ((long)t * HI + (h)) * DI + (d))
+#else
     __local float qs[HI][DI];
+#define QS(h, d) qs[h][d]
+#endif
     __local float ws[HI];
     __local long best[TOPK_P], candidates[TOPK_P];
     const uint lid = get_local_id(0);
@@ -215,10 +222,12 @@ void indexer_topk(__global const q_t *q, __global const q_t *k_cache, __global c
     }
     const int seq = lo;
     const int seen_end = kv_lens[seq] - (cu_q_lens[seq + 1] - t) + 1;  // positions below it are visible
+#ifndef Q_IN_GLOBAL
     for (uint i = lid; i < HI * DI; i += WG_I) {
         const uint h = i / DI, d = i - h * DI;
         qs[h][d] = LOAD(Q_KIND, q, ((long)t * HI + h) * DI + d);
     }
+#endif
     for (uint h = lid; h < HI; h += WG_I) ws[h] = weights[(long)t * HI + h];
     for (uint i = lid; i < TOPK_P; i += WG_I) best[i] = NONE;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -233,7 +242,7 @@ void indexer_topk(__global const q_t *q, __global const q_t *k_cache, __global c
                 float score = 0.0f;
                 for (int h = 0; h < HI; ++h) {
                     float dot = 0.0f;
-                    for (int d = 0; d < DI; ++d) dot = fma(qs[h][d], LOAD(Q_KIND, k_cache, row + d), dot);
+                    for (int d = 0; d < DI; ++d) dot = fma(QS(h, d), LOAD(Q_KIND, k_cache, row + d), dot);
                     score += ws[h] * (isnan(dot) ? dot : fmax(dot, 0.0f));  // relu keeping NaN
                 }
                 key = score_key(score, pos);

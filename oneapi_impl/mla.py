@@ -78,16 +78,27 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
 
 
 INDEXER_WORK_GROUP = 64  # WG_I of mla.cl
+GPU_LOCAL_BYTES = 64 * 1024  # an Intel GPU's local memory per work-group, the SPIR-V builds' target
+
+
+def _indexer_macros(dtype, num_heads: int, head_size: int, top_k: int, local_bytes: int) -> dict:
+    """The indexer's build macros for a device of ``local_bytes`` of local memory: its queries
+    staged there where they fit beside the keys (``16 * TOPK_P`` bytes), else read from global."""
+    topk_p = max(16, 1 << (top_k - 1).bit_length())
+    macros = {"Q_KIND": KINDS[dtype], "HI": num_heads, "DI": head_size, "TOPK_P": topk_p}
+    keys_and_weights = 16 * topk_p + 4 * num_heads
+    if keys_and_weights > local_bytes:
+        raise NotImplementedError(f"sycl: top_k {top_k} does not fit the device's local memory")
+    if keys_and_weights + 4 * num_heads * head_size > local_bytes:
+        macros["Q_IN_GLOBAL"] = 1
+    return macros
 
 
 def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: int):
     """Contract: ``torch_kernels.reference.mla.indexer_topk``."""
     _runtime.require_supported(q, k_cache, weights, cu_q_lens, kv_lens, block_table)
     num_tokens, num_heads, head_size = q.shape
-    topk_p = max(16, 1 << (top_k - 1).bit_length())
-    if 4 * num_heads * (head_size + 1) + 16 * topk_p > _runtime.local_memory_bytes():
-        raise NotImplementedError(f"sycl: {num_heads} x {head_size} queries and top_k {top_k} do not fit the device's "
-                                  "local memory")
+    macros = _indexer_macros(q.dtype, num_heads, head_size, top_k, _runtime.local_memory_bytes())
     out_mem, out = _runtime.usm_empty((num_tokens, top_k), torch.int32)
     if num_tokens == 0:
         return out
@@ -96,7 +107,7 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
     args = [inputs[0], cache.memory, *inputs[1:], out_mem, ctypes.c_int(kv_lens.shape[0]),
             ctypes.c_int(k_cache.shape[1]), ctypes.c_int(block_table.shape[1]), ctypes.c_int(top_k),
             *cache.layout_args()[:3]]
-    kernel = _runtime.kernel(SOURCE, "indexer_topk", Q_KIND=KINDS[q.dtype], HI=num_heads, DI=head_size, TOPK_P=topk_p)
+    kernel = _runtime.kernel(SOURCE, "indexer_topk", **macros)
     _runtime.host_queue().submit(kernel, args, [num_tokens * INDEXER_WORK_GROUP], [INDEXER_WORK_GROUP]).wait()
     return out
 
@@ -104,8 +115,9 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
 def spirv_binaries() -> list[bytes]:
     """The SPIR-V modules of the attention at DeepSeek-V3's widths (Lr 512, R 64), bfloat16 over a
     bfloat16 and a float8_e4m3fn cache and float32, and of the indexer at DeepSeek-V3.2's (64
-    heads of 128, top 2048) in bfloat16 (built, cached; the other dtypes differ only in loads)."""
+    heads of 128, top 2048) in bfloat16 for a GPU's 64 KiB of local memory (its queries read from
+    global) (built, cached; the other dtypes differ only in loads)."""
     return ([_runtime.spirv(SOURCE, _macros(q, c, 512, 64))
              for q, c in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
                           (torch.float32, torch.float32))]
-            + [_runtime.spirv(SOURCE, {"Q_KIND": KINDS[torch.bfloat16], "HI": 64, "DI": 128, "TOPK_P": 2048})])
+            + [_runtime.spirv(SOURCE, _indexer_macros(torch.bfloat16, 64, 128, 2048, GPU_LOCAL_BYTES))])

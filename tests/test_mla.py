@@ -342,6 +342,26 @@ def test_indexer_topk_breaks_ties_by_position_and_ranks_nan_last(backend):
     assert (got[0][batch.kv_lens[0]:] == -1).all()
 
 
+def test_sycl_indexer_reads_queries_from_global_where_local_memory_is_short(monkeypatch):
+    """DeepSeek-V3.2's 64 x 128 queries and top 2048 take 65,792 bytes of local memory staged, over
+    a GPU's 64 KiB: the kernel then reads the queries where they are, with the same indices."""
+    require_backend("sycl")
+    from oneapi_impl import _runtime
+    from oneapi_impl import mla as sycl_mla
+
+    choose = sycl_mla._indexer_macros
+    assert "Q_IN_GLOBAL" not in choose(torch.bfloat16, 64, 128, 2048, 128 * 1024)
+    assert choose(torch.bfloat16, 64, 128, 2048, 64 * 1024)["Q_IN_GLOBAL"] == 1
+    with pytest.raises(NotImplementedError, match="top_k 4096"):
+        choose(torch.bfloat16, 64, 128, 4096, 64 * 1024)
+    batch, keys, k_cache, q, weights = _indexer_batch()
+    # 3 x 8 queries (96 bytes) do not fit beside 16 keys and 3 weights (268 bytes) in 300 bytes
+    monkeypatch.setattr(_runtime, "local_memory_bytes", lambda: 300)
+    assert choose(q.dtype, 3, 8, 7, 300)["Q_IN_GLOBAL"] == 1
+    got = _index(batch, k_cache, q, weights, 7, "sycl")
+    assert torch.equal(got, _best_positions(batch, keys, q, weights, 7))
+
+
 def test_indexer_selection_feeds_sparse_attention():
     batch, keys, k_cache, q, weights = _indexer_batch(seed=8)
     torch_kernels.mla_reshape_and_cache(batch.c, batch.k_pe, batch.cache, batch.slots)
