@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import (cuda_missing, family_parser, machine_line, markdown_table, seconds_per_call,  # noqa: E402
-                    worst_speedup_goal, write_results)
+from common import (cuda_missing, family_parser, family_run, machine_line, markdown_table,  # noqa: E402
+                    seconds_per_call, worst_speedup_goal, write_results)
 
 import torch_kernels  # noqa: E402
 
@@ -193,13 +193,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if cuda_missing(args.device):
         return 2
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
-    if not on_gpu:  # one thread, as the other CPU benchmarks: the machine's cores are shared
-        torch.set_num_threads(1)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    default_budget = 0.02 if args.gpu and not on_gpu else 0.1 if args.gpu else 0.2 if args.quick else 0.5
-    budget = args.budget or default_budget
+    device, on_gpu, dtype, budget = family_run(args)
     prefills, batches = sizes(on_gpu, args.quick, args.gpu)
     rows = []
     for model, dim in MODELS.items():

@@ -306,6 +306,20 @@ def machine_line() -> str:
             f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}")
 
 
+def family_run(args):
+    """``(device, on_gpu, dtype, budget)`` of a family script's run from its parsed options: one
+    torch thread on the CPU (the machine's cores are shared), bfloat16 on a GPU and float32 on the
+    CPU, ``--budget`` or the preset's seconds of timing per measurement."""
+    import torch
+
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    if not on_gpu:
+        torch.set_num_threads(1)
+    budget = args.budget or (0.02 if args.gpu and not on_gpu else 0.1 if args.gpu else 0.2 if args.quick else 0.5)
+    return device, on_gpu, torch.bfloat16 if on_gpu else torch.float32, budget
+
+
 # ---------------------------------------------------------------------- the family scripts' options
 
 

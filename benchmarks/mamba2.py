@@ -24,8 +24,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import (cuda_missing, family_parser, machine_line, markdown_table, seconds_per_call,  # noqa: E402
-                    worst_speedup_goal, write_results)
+from common import (cuda_missing, family_parser, family_run, machine_line, markdown_table,  # noqa: E402
+                    seconds_per_call, worst_speedup_goal, write_results)
 
 import torch_kernels  # noqa: E402
 
@@ -207,12 +207,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if cuda_missing(args.device):
         return 2
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
-    if not on_gpu:  # one thread, as the other CPU benchmarks: the machine's cores are shared
-        torch.set_num_threads(1)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    budget = args.budget or (0.02 if args.gpu and not on_gpu else 0.1 if args.gpu else 0.2 if args.quick else 0.5)
+    device, on_gpu, dtype, budget = family_run(args)
     heads, prefills, batches = sizes(on_gpu, args.quick, args.gpu)
     rows = [row for batch, length in prefills for row in measure_scan(heads, batch, length, device, dtype, budget)]
     rows += [row for batch in batches for row in measure_update(heads, batch, device, dtype, budget)]
