@@ -351,26 +351,31 @@ SIGNATURE_MEMO = 1024  # distinct argument descriptions per op the hot path hand
 SIGNATURE_PROBES = 4  # per op, the recent signatures a call is matched against in C before the memo
 
 
-def _describer(op: torch._ops.OpOverload) -> list[Callable[[tuple], tuple]]:
-    """``[describe]``: ``describe(args)`` is what the cost formulas need later, holding no tensor of data: each tensor
-    argument as ``(shape, dtype)``, other arguments as they are. Integer tensors of at most
-    ``INDEX_NUMEL`` elements (offsets, sequence lengths, which formulas read) are kept themselves.
-    The caller reads the list's one item on each call: a new signature's probe replaces it.
+def _describer(op: torch._ops.OpOverload) -> list[Callable[[tuple], tuple | None]]:
+    """``[describe, describe_plain]``: ``describe(args)`` is what the cost formulas need later, holding no
+    tensor of data: each tensor argument as ``(shape, dtype)``, other arguments as they are. Integer
+    tensors of at most ``INDEX_NUMEL`` elements (offsets, sequence lengths, which formulas read) are
+    kept themselves. ``describe_plain(args)`` is the same for a call the autograd kernel would hand
+    straight to the kernel (no tensor needing a gradient, none of a subclass; the caller checks for
+    dispatch modes), else None. The caller reads the list's items on each call: new probes replace them.
 
     The hot path of the telemetry. Reading a tensor's shape and dtype from Python costs about 0.2 us
     here (a new ``torch.Size``, two attribute calls into torch, then hashing and comparing it for a
     memo), so a call is first matched against the signatures this op saw recently (at most
-    ``SIGNATURE_PROBES``) by probes generated for them: the number of arguments, the other arguments
-    by ``==``, and the tensors in one call of a ``TensorGuards`` (torch's compiler checks its inputs
-    with it), which compares each tensor's type, dtype, device, dispatch keys and sizes in C++ without
-    making a Python object, about 60 ns a tensor; a match hands back that signature's description.
-    A call no probe matches takes the memo: per op and number of arguments (the dispatcher leaves
-    trailing defaults out), a function generated from the schema and the first call's argument types,
-    which looks the description up by the arguments' shapes and dtypes, made the first time. A
-    signature the memo has seen before gets a probe while fewer than ``SIGNATURE_PROBES`` exist, or
-    when it comes twice in a row (the newest probe is tried first, the oldest dropped), so that many
-    signatures in turn do not keep replacing each other's probes: each then costs the probes' misses
-    (about 0.1 us each) and the memo. Where torch lacks a working ``TensorGuards``, the memo alone.
+    ``SIGNATURE_PROBES``, the newest first) by one function generated for them: the number of
+    arguments, the other arguments by ``==``, and the tensors in one call of a ``TensorGuards``
+    (torch's compiler checks its inputs with it), which compares each tensor's type, dtype, device,
+    dispatch keys, sizes and whether it requires grad in C++ without making a Python object, about
+    60 ns a tensor; a match hands back that signature's description. Probes are made for plain
+    tensors needing no gradient only, so a match also tells the autograd key's wrapper that the
+    kernel may run directly (``Telemetry._recording``). A call no probe matches takes the memo: per op
+    and number of arguments (the dispatcher leaves trailing defaults out), a function generated from
+    the schema and the first call's argument types, which looks the description up by the
+    arguments' shapes and dtypes, made the first time. A signature the memo has seen before gets a
+    probe while fewer than ``SIGNATURE_PROBES`` exist, or when it comes twice in a row (the oldest
+    probe then dropped), so that many signatures in turn do not keep replacing each other's probes:
+    each of those calls costs the probes' misses (about 70 ns each) and the memo. Where torch lacks
+    a working ``TensorGuards``, the memo alone.
 
     Descriptions hold shapes as plain tuples: ``torch.Size`` is a container the garbage collector
     tracks for good, and a ring of records holding one had every collection walk all of it (about
@@ -422,27 +427,25 @@ def _describer(op: torch._ops.OpOverload) -> list[Callable[[tuple], tuple]]:
                      "remember": remember}), not keeps_tensors
 
     def probe_for(args: tuple, meta: tuple) -> None:
-        guard = _guard_maker()
-        tensors = [i for i, kind in enumerate(kinds[:len(args)]) if kind in ("tensor", "optional") and args[i] is not None]
+        tensors = [i for i in positions if i < len(args) and args[i] is not None]
         if not all(type(args[i]) is _Tensor and not args[i].requires_grad for i in tensors):
-            return  # probes say "plain, no gradient" too (the autograd kernel's fast path): these take the memo
+            return  # a probe's match says "plain, no gradient" too (the autograd kernel's fast path)
         try:
-            check = guard(*[args[i] for i in tensors])
+            check = _guard_maker()(*[args[i] for i in tensors])
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: this signature stays with the memo
             return
-        tests = [f"len(a) == {len(args)}", f"check({', '.join(f'a[{i}]' for i in tensors)})"]
+        test = [f"len(a) == {len(args)}", f"CHECK({', '.join(f'a[{i}]' for i in tensors)})"]
         for i, kind in enumerate(kinds[:len(args)]):
             if kind in ("tensor", "optional"):
-                tests += [] if i in tensors else [f"a[{i}] is None"]
+                test += [] if i in tensors else [f"a[{i}] is None"]
             else:
-                tests.append(f"{'_metadata(a[{i}])' if kind == 'list' else f'a[{i}]'} == meta[{i}]")
+                test.append(f"{'_metadata(a[{i}])' if kind == 'list' else f'a[{i}]'} == META[{i}]")
         with lock:
-            probes.insert(0, (_probe_maker(" and ".join(tests)), check, meta))
+            probes.insert(0, (" and ".join(test), check, meta))
             del probes[SIGNATURE_PROBES:]
-            for level, chain in enumerate((memo, _missed)):
-                for make, check, meta in reversed(probes):
-                    chain = make(check, meta, chain)
-                describer[level] = chain
+            make = _probes_maker(tuple(test for test, _, _ in probes))
+            known_checks = [value for _, check, meta in probes for value in (check, meta)]
+            describer[:] = make(memo, *known_checks), make(plain_memo, *known_checks)
 
     def memo(args: tuple) -> tuple:
         entry = made.get(len(args))
@@ -459,7 +462,16 @@ def _describer(op: torch._ops.OpOverload) -> list[Callable[[tuple], tuple]]:
         latest[0] = meta
         return meta
 
-    describer = [memo, _missed]
+    def plain_memo(args: tuple) -> tuple | None:
+        """The memo's description of a call the autograd kernel would hand straight to the kernel (no tensor
+        needing a gradient, none of a subclass; no dispatch mode, which the caller checked), else None."""
+        for i in positions:
+            if i < len(args) and (t := args[i]) is not None and (type(t) is not _Tensor or t.requires_grad):
+                return None
+        return memo(args)
+
+    positions = [i for i, kind in enumerate(kinds) if kind in ("tensor", "optional")]
+    describer = [memo, plain_memo]
     return describer
 
 
@@ -467,16 +479,20 @@ def _missed(args: tuple) -> None:
     return None
 
 
-_probe_makers: dict[str, Callable] = {}
+_probes_makers: dict[tuple[str, ...], Callable] = {}
 
 
-def _probe_maker(test: str) -> Callable:
-    """``make(check, meta, otherwise)``: a probe handing back ``meta`` for the arguments ``a`` that pass
-    ``test``, else ``otherwise(a)``; compiled once per test text, shared by the ops whose probes read alike."""
-    make = _probe_makers.get(test)
+def _probes_maker(tests: tuple[str, ...]) -> Callable:
+    """``make(otherwise, check0, meta0, check1, meta1, ...)``: one function trying the probes in turn (each
+    test with its ``CHECK`` and ``META``), handing back the first match's description, else ``otherwise(a)``;
+    compiled once per sequence of tests, which ops whose probes read alike share."""
+    make = _probes_makers.get(tests)
     if make is None:
-        make = _probe_makers[test] = eval(  # noqa: S307 - our own text
-            f"lambda check, meta, otherwise: lambda a: meta if {test} else otherwise(a)", {"_metadata": _metadata})
+        chain = " else ".join(f"meta{i} if {test.replace('CHECK', f'check{i}').replace('META', f'meta{i}')}"
+                              for i, test in enumerate(tests))
+        names = ", ".join(f"check{i}, meta{i}" for i in range(len(tests)))
+        make = _probes_makers[tests] = eval(  # noqa: S307 - our own text
+            f"lambda otherwise, {names}: lambda a: {chain} else otherwise(a)", {"_metadata": _metadata})
     return make
 
 
@@ -653,9 +669,10 @@ class Telemetry:
     def _recording(self, op: torch._ops.OpOverload, kernel: Callable, autograd: Callable | None = None) -> Callable:
         """``kernel`` adding a record of each call to the ring: the hot path, kept to a few lookups. With
         ``autograd`` (the autograd kernel over the recording ``kernel``), the autograd key's kernel instead,
-        which records the calls a probe of ``_describer`` matches (plain tensors needing no gradient, which
-        the probe checks in C) around the kernel itself, and hands the others to ``autograd``: so a call
-        costs one Python frame, not two, and no per-tensor check in Python."""
+        which records the calls the autograd kernel would hand straight to the kernel (plain tensors needing
+        no gradient, which a probe of ``_describer`` checks in C) around the kernel itself, and hands the
+        others to ``autograd``: so such a call costs one Python frame, not two, and on a probe's match no
+        per-tensor check in Python."""
         name = op._opname
         front = autograd is not None
         if not front:
@@ -838,10 +855,13 @@ def continuous(seconds: float = 90.0, max_events: int = 100_000, shapes: bool = 
     Memory stays bounded however long it runs: the ring drops its oldest calls, and a record holds
     shapes, not tensors, but for small integer tensors (at most ``INDEX_NUMEL`` elements each, see
     :class:`Telemetry`), usually the same few objects shared by many calls. Per op call on the CPU
-    it costs about 1 us plus 0.3 us per tensor argument on a busy 2-core machine
-    (benchmarks/telemetry.py), most of it reading the tensors' shapes and dtypes; ``shapes=False``
-    records op, backend and time only (so no FLOPs or bytes) for under 1 us. On accelerators it
-    adds two device events per call and never syncs. Off, it costs nothing: the ops run exactly as
+    it costs about 0.5 us on a busy 2-core machine (benchmarks/telemetry.py), however many tensor
+    arguments, where the call's signature (shapes, dtypes, other arguments) is one of the op's last
+    few (``SIGNATURE_PROBES``, see ``_describer``) and no gradient is needed; about 1 us in
+    ``torch.inference_mode()`` (recorded at the device key: one Python frame more); 1 to 2 us for
+    other signatures and with gradients (the shapes read in Python). ``shapes=False`` records op,
+    backend and time only (so no FLOPs or bytes), for about 0.5 us. On accelerators it adds two
+    device events per call and never syncs. Off, it costs nothing: the ops run exactly as
     defined, and backends.dispatch checks one flag. A second call replaces the running telemetry;
     ``TORCH_KERNELS_TELEMETRY=1`` calls it with the defaults at import. A profile block started
     while it runs feeds it too; start it outside one. Ops are the ones defined when it
