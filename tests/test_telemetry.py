@@ -124,11 +124,17 @@ def test_each_record_describes_its_own_call_whichever_path_takes_it():
         with PassThrough():
             call(x)
         call(x)
+        # an optional tensor given or None between other arguments: probes for both
+        conv_x, conv_w, bias = random_tensor(1, 4, 6, seed=49), random_tensor(4, 3, seed=50), random_tensor(4, seed=51)
+        for given in (None, None, None, bias, bias, bias, None, bias, None):
+            torch_kernels.causal_conv1d_fn(conv_x, conv_w, given, activation="silu")
+            tensors = (conv_x, conv_w) if given is None else (conv_x, conv_w, given)
+            expected.append(([list(t.shape) for t in tensors], ["float32"] * len(tensors), ["silu"]))
         events = telemetry.events()
         ring = list(telemetry._ring)
     assert [(e["shapes"], e["dtypes"], e["arguments"]) for e in events] == expected
     assert all(e["backend"] == "reference" for e in events)
-    assert ring[0][4] is ring[-1][4]  # one description shared by a signature's records
+    assert ring[0][4] is ring[2][4] and ring[-1][4] is ring[-3][4]  # one description shared by a signature's records
 
     def untrackable(value) -> bool:  # what the garbage collector stops tracking after a pass
         return type(value) in (str, float, int, type(None), torch.dtype) or (
