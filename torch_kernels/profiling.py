@@ -397,7 +397,7 @@ def _describer(op: torch._ops.OpOverload) -> list[Callable[[tuple], tuple | None
             kinds.append("value")
     made: dict[int, tuple[Callable, bool]] = {}
     known: dict[tuple, tuple] = {}
-    probes: list[tuple] = []  # (make, check, description), the newest first
+    probes: list[tuple] = []  # (test, check, description), the newest first
     latest: list = [None]  # the description of the latest call no probe matched
     lock = threading.Lock()
 
@@ -488,6 +488,8 @@ def _probes_maker(tests: tuple[str, ...]) -> Callable:
     compiled once per sequence of tests, which ops whose probes read alike share."""
     make = _probes_makers.get(tests)
     if make is None:
+        if len(_probes_makers) >= SIGNATURE_MEMO:  # texts depend on arguments' kinds, not shapes: few
+            _probes_makers.clear()
         chain = " else ".join(f"meta{i} if {test.replace('CHECK', f'check{i}').replace('META', f'meta{i}')}"
                               for i, test in enumerate(tests))
         names = ", ".join(f"check{i}, meta{i}" for i in range(len(tests)))
