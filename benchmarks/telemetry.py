@@ -4,7 +4,8 @@
 
 Times blocks of calls of probe ops (defined here: a kernel that returns its input through
 ``backends.dispatch``, with 1, 3 and 6 tensor arguments, so the table shows the cost per tensor
-argument) and of ``mahalanobis_score`` at a small shape, with the telemetry off, on (with and
+argument; and the 3-argument one off the fastest path, see :func:`other_paths`) and of
+``mahalanobis_score`` at a small shape, with the telemetry off, on (with and
 without ``shapes``), and inside a ``torch_kernels.profile`` block for comparison. The modes
 alternate within each round and the overhead is the fastest block of a mode less the fastest block
 off, each block timed in this thread's CPU time (``time.thread_time``: other processes' load on a
@@ -16,6 +17,7 @@ many run. Writes ``telemetry{-quick,}.{md,json}`` to ``--out`` (default ``benchm
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -56,6 +58,28 @@ def define_probes() -> dict[int, callable]:
     return calls
 
 
+def other_paths() -> dict[str, callable]:
+    """Calls of the 3-argument probe off the telemetry's fastest path: several signatures in turn (up to
+    ``SIGNATURE_PROBES``, each matched by its own probe), more signatures in turn than probes (each call
+    then misses them all and takes the memo), and calls in ``torch.inference_mode()`` (no autograd key:
+    recorded at the device key, one Python frame more)."""
+    op = torch.ops.torch_kernels.telemetry_probe3.default
+    probes = torch_kernels.profiling.SIGNATURE_PROBES
+    calls = {}
+    for count in (probes, 2 * probes):
+        sets = [[torch.ones(4, 8 + i) for _ in range(3)] for i in range(count)]
+        turns = itertools.cycle(sets)
+        calls[f"probe, 3 tensor arguments, {count} shapes in turn"] = lambda turns=turns: op(*next(turns))
+    tensors = [torch.ones(4, 8) for _ in range(3)]
+
+    def in_inference_mode():
+        with torch.inference_mode():
+            return op(*tensors)
+
+    calls["probe, 3 tensor arguments, in inference_mode"] = in_inference_mode
+    return calls
+
+
 def per_call_seconds(call, n: int) -> float:
     """CPU seconds of this thread per call, over ``n`` calls."""
     start = time.thread_time()
@@ -88,24 +112,29 @@ def measure(call, rounds: int, n: int) -> dict:
 
 
 def hot_path(rounds: int, n: int) -> dict[int, float]:
-    """The recording wrapper alone around a kernel that does nothing but report its backend (as
-    backends.dispatch does): ``{tensor arguments: added microseconds per call}``, fastest blocks."""
+    """The recording wrapper alone, in place of the autograd kernel (as the telemetry registers it) around a
+    kernel that does nothing but report its backend (as backends.dispatch does), against that autograd
+    kernel: ``{tensor arguments: added microseconds per call}``, fastest blocks."""
     telemetry = torch_kernels.profile.continuous(seconds=60, max_events=10_000)
     telemetry.stop()
-    backends._observer = torch_kernels.profiling._observe  # as while it runs
+    backends._observer = torch_kernels.profiling._running  # as while it runs
 
     def kernel(*tensors):
-        if backends._observer is not None:
-            backends._observer("reference")
+        observer = backends._observer
+        if observer is not None and observer.calls and not observer.calls[-1]:
+            observer.calls[-1] = "reference"
         return tensors[0]
 
     added = {}
     try:
         for arity in PROBE_ARITIES:
             op = getattr(torch.ops.torch_kernels, f"telemetry_probe{arity}").default
-            recorded = telemetry._recording(op, kernel)
+            autograd = _library._autograd_kernel(op, kernel, None, None)
+            telemetry._recording(op, kernel)  # the device keys' wrapper, which makes the op's probes
+            recorded = telemetry._recording(op, kernel, autograd)
             tensors = [torch.ones(4, 8) for _ in range(arity)]
-            bare = [per_call_seconds(lambda: kernel(*tensors), n) for _ in range(rounds)]
+            recorded(*tensors), recorded(*tensors)  # the signature seen twice: a probe
+            bare = [per_call_seconds(lambda: autograd(*tensors), n) for _ in range(rounds)]
             wrapped = [per_call_seconds(lambda: recorded(*tensors), n) for _ in range(rounds)]
             added[arity] = (min(wrapped) - min(bare)) * 1e6
     finally:
@@ -138,6 +167,7 @@ def main(argv=None) -> int:
     probes = define_probes()
     x, means, whitener = torch.randn(8, 16), torch.randn(2, 16), torch.randn(16, 16)
     cases = {f"probe, {k} tensor argument{'s' if k > 1 else ''}": call for k, call in probes.items()}
+    cases.update(other_paths())
     cases["mahalanobis_score 8x16, 2 means"] = lambda: torch_kernels.mahalanobis_score(x, means, whitener)
     results = {}
     for label, call in cases.items():
@@ -159,7 +189,8 @@ def main(argv=None) -> int:
         f"Fastest of {rounds} blocks of {n} calls per mode (the modes alternating), one torch thread; "
         "the last column the medians, for the machine's noise.", "",
         markdown_table(header, rows), "",
-        "The recording wrapper alone (around a kernel that only reports its backend), added per call: "
+        "The recording wrapper alone (in place of the autograd kernel, around a kernel that only reports its "
+        "backend), added per call: "
         + ", ".join(f"{k} tensor argument{'s' if k > 1 else ''} {us:.2f} us" for k, us in alone.items()) + ".", "",
         f"Off, the only cost on an op call is backends.dispatch's observer check: {off_check_ns:.0f} ns "
         "(timeit of the expression).",

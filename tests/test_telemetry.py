@@ -90,6 +90,59 @@ def test_memory_and_time_are_bounded(inputs):
         torch_kernels.profile.snapshot()
 
 
+def test_each_record_describes_its_own_call_whichever_path_takes_it():
+    """A call matching a recent signature (checked in C, recorded at the autograd key) and the calls that
+    do not (another shape, dtype or argument, more signatures than probes, inference mode, a gradient, a
+    dispatch mode): each record has its own call's shapes, dtypes and arguments, and each call one record."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert profiling._guard_maker() is not None  # this torch's TensorGuards behave as the probes need
+    means, whitener = random_tensor(3, 16, seed=46), random_tensor(16, 16, seed=47)
+    expected = []
+
+    def call(x, m=means, w=whitener, **kwargs):
+        torch_kernels.mahalanobis_score(x, m, w, **kwargs)
+        expected.append(([list(t.shape) for t in (x, m, w)], [str(t.dtype).removeprefix("torch.") for t in (x, m, w)],
+                         list(kwargs.values())))
+
+    with torch_kernels.profile.continuous() as telemetry:
+        for rows in (4, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 4, 5, 9, 6, 7, 8, 4):  # 6 signatures in turn: more than probes
+            call(random_tensor(rows, 16, seed=rows))
+        probes = telemetry._describers["mahalanobis_score"]  # probes made: their function first, not the memo
+        assert [f.__name__ for f in probes] == ["<lambda>", "<lambda>"]
+        x = random_tensor(4, 16, seed=48)
+        call(x.double(), means.double(), whitener.double())
+        call(x, w=whitener.t().contiguous().t())  # other strides: the same description
+        call(x, implementation="reference")
+        call(x.clone().requires_grad_())  # through the autograd kernel, recorded at the device key
+        with torch.inference_mode():  # no autograd key: recorded at the device key
+            call(x)
+        with PassThrough():
+            call(x)
+        call(x)
+        # an optional tensor given or None between other arguments: probes for both
+        conv_x, conv_w, bias = random_tensor(1, 4, 6, seed=49), random_tensor(4, 3, seed=50), random_tensor(4, seed=51)
+        for given in (None, None, None, bias, bias, bias, None, bias, None):
+            torch_kernels.causal_conv1d_fn(conv_x, conv_w, given, activation="silu")
+            tensors = (conv_x, conv_w) if given is None else (conv_x, conv_w, given)
+            expected.append(([list(t.shape) for t in tensors], ["float32"] * len(tensors), ["silu"]))
+        events = telemetry.events()
+        ring = list(telemetry._ring)
+    assert [(e["shapes"], e["dtypes"], e["arguments"]) for e in events] == expected
+    assert all(e["backend"] == "reference" for e in events)
+    assert ring[0][4] is ring[2][4] and ring[-1][4] is ring[-3][4]  # one description shared by a signature's records
+
+    def untrackable(value) -> bool:  # what the garbage collector stops tracking after a pass
+        return type(value) in (str, float, int, type(None), torch.dtype) or (
+            type(value) is tuple and all(untrackable(v) for v in value))
+
+    assert all(untrackable(record) for record in ring)
+
+
 def test_a_small_index_view_does_not_keep_its_buffer_alive():
     """A record keeps small integer tensors (cost formulas read them); a few rows sliced from a large
     buffer are copied, or the ring would hold every step's buffer."""

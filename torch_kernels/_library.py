@@ -85,13 +85,16 @@ def undefine(name: str, library: torch.library.Library) -> None:
 
 
 @contextlib.contextmanager
-def kernels_replaced_by(wrap: Callable[[torch._ops.OpOverload, Callable], Callable]):
+def kernels_replaced_by(wrap: Callable[[torch._ops.OpOverload, Callable], Callable],
+                        front: Callable[[torch._ops.OpOverload, Callable, Callable], Callable] | None = None):
     """Within this block every op defined here runs ``wrap(op, kernel)`` instead of its device kernel.
 
     The replacements are registered over the originals (device keys and the autograd kernel, whose
     fast path calls the device kernel directly) in a library fragment of their own; the dispatcher
     keeps the originals beneath and brings them back when the fragment closes on exit. Outside the
-    block the ops run exactly as defined.
+    block the ops run exactly as defined. ``front(op, kernel, autograd)``, where given, makes the
+    autograd key's kernel instead: ``autograd`` is the autograd kernel over the wrapped one, for the
+    calls it does not take itself (a call it takes must need no gradient and have plain tensors).
     """
     fragment = torch.library.Library("torch_kernels", "IMPL")
     # the fragment's dispatcher module directly: Library.impl refuses a second Python kernel for a
@@ -104,7 +107,8 @@ def kernels_replaced_by(wrap: Callable[[torch._ops.OpOverload, Callable], Callab
                 wrapped = wrap(d.op, d.kernel)
                 for key in DEVICE_KEYS:
                     register(name, key, wrapped, False)
-                register(name, "Autograd", _autograd_kernel(d.op, wrapped, d.setup_context, d.backward), False)
+                autograd = _autograd_kernel(d.op, wrapped, d.setup_context, d.backward)
+                register(name, "Autograd", autograd if front is None else front(d.op, d.kernel, autograd), False)
         yield
     finally:
         fragment._destroy()
