@@ -280,6 +280,48 @@ def test_inference_only_and_cost():
     assert ops.attended_pairs([1, 3], [6, 5], top_k=4) == 4 + 3 + 4 + 4
 
 
+# ---- DeepSeek's own sizes ----
+
+def _deepseek_batch(gen, q_lens=(1, 3, 1), contexts=(37, 20, 100)):
+    """A decode, a prefill chunk and a long decode over shuffled 16-token pages: ``(cu_q_lens,
+    kv_lens, block_table, num_blocks)``."""
+    kv_lens = [q + c for q, c in zip(q_lens, contexts)]
+    pages = [-(-n // BLOCK) for n in kv_lens]
+    ids = torch.randperm(sum(pages) + 1, generator=gen).to(torch.int32)
+    table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for s, n in enumerate(pages):
+        table[s, :n], ids = ids[:n], ids[n:]
+    cu_q_lens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return cu_q_lens, torch.tensor(kv_lens, dtype=torch.int32), table, sum(pages) + 1
+
+
+@pytest.mark.parametrize("backend", [b for b in backends.implementations(ops.OP) if b != "reference"])
+def test_every_backend_equals_the_reference_at_deepseek_sizes(backend):
+    """DeepSeek-V3's latent 512 and RoPE 64 at 16 and 128 heads (128 only on pallas: each head count is
+    another interpret-mode compile), dense and top-8; DeepSeek-V3.2's indexer, 64 heads of 128, top 64
+    of up to 101 positions: the reference's indices exactly."""
+    gen = torch.Generator().manual_seed(11)
+    cu_q_lens, kv_lens, table, num_blocks = _deepseek_batch(gen)
+    cache = torch.randn(num_blocks, BLOCK, 512 + 64, generator=gen)
+    tokens = int(cu_q_lens[-1])
+    topk = torch.randint(-1, 38, (tokens, 8), generator=gen, dtype=torch.int32)
+    topk[1:4] = topk[1:4].clamp(max=20)  # within the chunk's sequence (kv_len 23)
+    for heads in (128,) if backend == "pallas" else (16, 128):
+        q_nope = torch.randn(tokens, heads, 512, generator=gen) * 512 ** -0.5
+        q_pe = torch.randn(tokens, heads, 64, generator=gen)
+        args = (q_nope, q_pe, cache, cu_q_lens, kv_lens, table, 192 ** -0.5)
+        for chosen in (None, topk):
+            got = torch_kernels.ragged_paged_mla(*args, topk_indices=chosen, implementation=backend)
+            want = torch_kernels.ragged_paged_mla(*args, topk_indices=chosen, implementation="reference")
+            assert_close(got, want, torch.float32, what=f"{heads} heads, {'dense' if chosen is None else 'top-8'}")
+    if backend in backends.implementations(ops.INDEXER_OP):
+        keys = torch.randn(num_blocks, BLOCK, 128, generator=gen)
+        q, weights = torch.randn(tokens, 64, 128, generator=gen), torch.randn(tokens, 64, generator=gen)
+        index = (q, keys, weights, cu_q_lens, kv_lens, table, 64)
+        assert torch.equal(torch_kernels.indexer_topk(*index, implementation=backend),
+                           torch_kernels.indexer_topk(*index, implementation="reference"))
+
+
 # ---- the indexer ----
 
 def _indexer_batch(seed=6, heads=3, dim=8):
