@@ -140,10 +140,28 @@ with env:
         torch_kernels.mahalanobis_score(jx.int(), jm, jw)
     empty = torch_kernels.mahalanobis_score(jx[:0].detach(), jm.detach(), jw.detach())
     assert tuple(empty.shape) == (0,)
+    # the fitted form, from class terms made once, on both of its torchax backends
+    jterms = [t.to("jax").requires_grad_() for t in reference.class_terms(means, whitener, torch.float32)]
+    fitted = {}
+    for backend in ("pallas", "reference"):
+        args = [jx, jterms[0], jw, *jterms[1:]]
+        out_fitted = torch_kernels.mahalanobis_score_fitted(*args, implementation=backend)
+        assert type(out_fitted).__module__.startswith("torchax"), type(out_fitted)
+        grad_x, grad_proj = torch.autograd.grad(out_fitted.sum(), [jx, jterms[1]])
+        fitted[backend] = [t.detach().to("cpu") for t in (out_fitted, grad_x, grad_proj)]
+    with pytest.raises(ValueError, match="class_sq: expected size 2"):
+        torch_kernels.mahalanobis_score_fitted(jx, jterms[0], jw, jterms[1], jterms[2][:1])
 assert_close(out_cpu, expected, torch.float32)
 assert_close(by_reference, expected, torch.float32)
 for g, w in zip(got, want):
     assert_close(g, w, torch.float32, scale=10)
+terms = [t.clone().requires_grad_() for t in reference.class_terms(means, whitener, torch.float32)]
+xc = x.clone().requires_grad_()
+cpu_fitted = torch_kernels.mahalanobis_score_fitted(xc, terms[0], whitener, *terms[1:])
+cpu_grads = torch.autograd.grad(cpu_fitted.sum(), [xc, terms[1]])
+for backend, results in fitted.items():
+    for g, w in zip(results, (cpu_fitted.detach(), *cpu_grads)):
+        assert_close(g, w, torch.float32, scale=10, what=backend)
 print("torchax ok")
 """
 
