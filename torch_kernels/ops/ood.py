@@ -193,7 +193,9 @@ def mahalanobis_score(
     """Squared Mahalanobis distance of each row of ``x`` to its nearest class mean.
 
     ``score[b] = min_c ||(x[b] - means[c]) @ whitener||^2``, where ``whitener @ whitener.T`` is
-    the precision matrix (``torch_kernels.ood.MahalanobisScorer`` fits both).
+    the precision matrix (``torch_kernels.ood.MahalanobisScorer`` fits both). Each call whitens the
+    means too (``C D^2`` multiply-adds); scoring again and again against one fit,
+    :func:`mahalanobis_score_fitted` takes them whitened once.
 
     Args:
         x: ``[B, D]`` features, float16, bfloat16, float32 or float64.
