@@ -167,6 +167,43 @@ def _score_bwd(interpret, residuals, grad):
 mahalanobis_score.defvjp(_score_fwd, _score_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def mahalanobis_score_fitted(x, center, whitener, class_proj, class_sq, interpret=None):
+    """``mahalanobis_score`` from the class terms (``class_terms``' center, class_proj and class_sq,
+    computed once), by the Pallas kernel; differentiable in all five."""
+    return _fitted_fwd(x, center, whitener, class_proj, class_sq, interpret)[0]
+
+
+def _fitted_fwd(x, center, whitener, class_proj, class_sq, interpret):
+    score, nearest = mahalanobis_min(x, center, whitener, class_proj, class_sq, interpret=interpret)
+    return score, (x, center, whitener, class_proj, class_sq, nearest)
+
+
+def _fitted_bwd(interpret, residuals, grad):
+    # the score is ||y||^2 - 2 y . class_proj[n] + class_sq[n], y = (x - center) W, n the nearest class
+    x, center, whitener, class_proj, class_sq, nearest = residuals
+    w = whitener.astype(jnp.float32)
+    centred = x.astype(jnp.float32) - center
+    y = centred @ w
+    weighted = (y - class_proj[nearest]) * (2.0 * grad)[:, None]
+    grad_x = weighted @ w.T
+    grad_proj = jnp.zeros(class_proj.shape, jnp.float32).at[nearest].add(-2.0 * y * grad[:, None])
+    grad_sq = jnp.zeros(class_sq.shape, jnp.float32).at[nearest].add(grad)
+    return (grad_x.astype(x.dtype), -grad_x.sum(axis=0), (centred.T @ weighted).astype(whitener.dtype), grad_proj,
+            grad_sq)
+
+
+mahalanobis_score_fitted.defvjp(_fitted_fwd, _fitted_bwd)
+
+
+def mahalanobis_score_fitted_reference(x, center, whitener, class_proj, class_sq):
+    """The fitted form in plain jnp: min_c ||y||^2 - 2 y . class_proj[c] + class_sq[c], clamped at 0,
+    with y = (x - center) @ whitener (autodiff for gradients)."""
+    y = (x.astype(jnp.float32) - center) @ whitener.astype(jnp.float32)
+    distances = jnp.sum(y * y, axis=1, keepdims=True) - 2.0 * (y @ class_proj.T) + class_sq
+    return jnp.maximum(jnp.min(distances, axis=1), 0.0)
+
+
 def mahalanobis_score_reference(x, means, whitener):
     """The definition in plain jnp: min_c ||(x - means[c]) @ whitener||^2 (autodiff for gradients)."""
     x, means, whitener = (a.astype(jnp.float32) for a in (x, means, whitener))

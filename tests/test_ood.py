@@ -140,10 +140,28 @@ with env:
         torch_kernels.mahalanobis_score(jx.int(), jm, jw)
     empty = torch_kernels.mahalanobis_score(jx[:0].detach(), jm.detach(), jw.detach())
     assert tuple(empty.shape) == (0,)
+    # the fitted form, from class terms made once, on both of its torchax backends
+    jterms = [t.to("jax").requires_grad_() for t in reference.class_terms(means, whitener, torch.float32)]
+    fitted = {}
+    for backend in ("pallas", "reference"):
+        args = [jx, jterms[0], jw, *jterms[1:]]
+        out_fitted = torch_kernels.mahalanobis_score_fitted(*args, implementation=backend)
+        assert type(out_fitted).__module__.startswith("torchax"), type(out_fitted)
+        grad_x, grad_proj = torch.autograd.grad(out_fitted.sum(), [jx, jterms[1]])
+        fitted[backend] = [t.detach().to("cpu") for t in (out_fitted, grad_x, grad_proj)]
+    with pytest.raises(ValueError, match="class_sq: expected size 2"):
+        torch_kernels.mahalanobis_score_fitted(jx, jterms[0], jw, jterms[1], jterms[2][:1])
 assert_close(out_cpu, expected, torch.float32)
 assert_close(by_reference, expected, torch.float32)
 for g, w in zip(got, want):
     assert_close(g, w, torch.float32, scale=10)
+terms = [t.clone().requires_grad_() for t in reference.class_terms(means, whitener, torch.float32)]
+xc = x.clone().requires_grad_()
+cpu_fitted = torch_kernels.mahalanobis_score_fitted(xc, terms[0], whitener, *terms[1:])
+cpu_grads = torch.autograd.grad(cpu_fitted.sum(), [xc, terms[1]])
+for backend, results in fitted.items():
+    for g, w in zip(results, (cpu_fitted.detach(), *cpu_grads)):
+        assert_close(g, w, torch.float32, scale=10, what=backend)
 print("torchax ok")
 """
 
@@ -365,6 +383,69 @@ def test_import_needs_only_torch_and_numpy():
         "print(torch_kernels.mahalanobis_score(x, x[:1], torch.eye(2)).shape)\n"
     )
     assert "torch.Size([3])" in run_isolated(code)
+
+
+# ---- mahalanobis_score_fitted: the score from class terms made once ----
+
+def _fitted_args(x, means, whitener):
+    center, class_proj, class_sq = reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
+    return x, center, whitener, class_proj, class_sq
+
+
+@pytest.mark.parametrize("backend", backend_params(OP))
+@pytest.mark.parametrize("shape", [(5, 3, 1), (33, 20, 4)], ids=str)
+def test_fitted_terms_give_the_op_s_scores_and_gradient_to_x(backend, shape):
+    require_backend(backend)
+    x, means, whitener = _inputs(30, torch.float32, shape)
+    xg, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    weights = torch.linspace(0.5, 1.5, x.shape[0])
+    want = torch_kernels.mahalanobis_score(xg, means, whitener, implementation=backend)
+    got = torch_kernels.mahalanobis_score_fitted(*_fitted_args(xf, means, whitener), implementation=backend)
+    assert backends.last_backend(OP) == backend  # the same kernels
+    torch.testing.assert_close(got, want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    assert_close(xf.grad, xg.grad, torch.float32)
+    assert_close(got, reference.mahalanobis_score_naive(x, means, whitener), torch.float32)
+
+
+def test_fitted_gradcheck_and_gradgradcheck_in_every_term_float64():
+    x, means, whitener = _inputs(31, torch.float64, (6, 4, 3))
+    args = tuple(t.clone().requires_grad_() for t in _fitted_args(x, means, whitener))
+    fn = lambda *a: torch_kernels.mahalanobis_score_fitted(*a, implementation="reference")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, args)
+    assert torch.autograd.gradgradcheck(fn, args)
+
+
+def test_fitted_opcheck_profiler_flops_bytes_and_empty_batch():
+    b, d, c = 9, 6, 2
+    args = _fitted_args(*_inputs(32, torch.float32, (b, d, c)))
+    run_opcheck(torch.ops.torch_kernels.mahalanobis_score_fitted.default, (*args, None))
+    run_opcheck(torch.ops.torch_kernels.mahalanobis_score_fitted_backward.default, (torch.ones(b), *args, None))
+    names = profiled_names(lambda: torch_kernels.mahalanobis_score_fitted(*args))
+    assert {"torch_kernels::mahalanobis_score_fitted", "torch_kernels::mahalanobis_score[reference]"} <= set(names)
+    assert counted_flops(lambda: torch_kernels.mahalanobis_score_fitted(*args)) == ood_ops.fitted_score_flops(b, c, d)
+    prof, out = profiled(lambda: torch_kernels.mahalanobis_score_fitted(*args))
+    row = only_row(prof, "mahalanobis_score_fitted")
+    assert (row["backend"], row["bytes"]) == ("reference", nbytes(*args, out))
+    assert torch_kernels.mahalanobis_score_fitted(args[0][:0], *args[1:]).shape == (0,)
+
+
+def test_scorer_whitens_its_means_once(monkeypatch):
+    """A fitted (or loaded) scorer scores from the class terms of its fit, in float32 and float64, and
+    its state_dict carries the fit alone."""
+    gen = torch.Generator().manual_seed(33)
+    data, labels = torch.randn(400, 12, generator=gen, dtype=torch.float64), torch.arange(400) % 5
+    scorer = MahalanobisScorer("ledoit_wolf").fit(data, labels)
+    restored = MahalanobisScorer("ledoit_wolf")
+    restored.load_state_dict(scorer.state_dict())
+    assert set(scorer.state_dict()) == {"means_", "covariance_", "precision_", "whitener_", "shrinkage_"}
+    x = torch.randn(7, 12, generator=gen, dtype=torch.float64) * 2
+    want = reference.mahalanobis_score_naive(x, scorer.means_, scorer.whitener_)
+    monkeypatch.setattr(reference, "class_terms", None)  # scoring must not whiten the means again
+    for model in (scorer, restored):
+        torch.testing.assert_close(model.score(x), want, rtol=1e-12, atol=0)
+        assert_close(model.score(x.float()), want.float(), torch.float32)
 
 
 # ---- MahalanobisScorer against scikit-learn ----

@@ -11,6 +11,7 @@ import torch
 import torch_kernels
 from families import LARGE, DeviceCase, K, Row, map_arg, set_arg, sized
 from torch_kernels.ops import ood as family_ops
+from torch_kernels.reference import ood as reference
 
 
 # ---- bad inputs: Mahalanobis ----
@@ -23,6 +24,17 @@ def _ood_inputs():
 def _score(change) -> Callable[[str], object]:
     def call(backend):
         return torch_kernels.mahalanobis_score(*change(*_ood_inputs()), implementation=backend)
+    return call
+
+
+def _fitted(change) -> Callable[[str], object]:
+    """``mahalanobis_score_fitted`` of ``_ood_inputs``' class terms, changed by ``change(x, center, whitener,
+    class_proj, class_sq)``."""
+    def call(backend):
+        x, means, whitener = _ood_inputs()
+        center, class_proj, class_sq = reference.class_terms(means, whitener, torch.float32)
+        args = change(x, center, whitener, class_proj, class_sq)
+        return torch_kernels.mahalanobis_score_fitted(*args, implementation=backend)
     return call
 
 
@@ -67,6 +79,19 @@ OOD = [
     ("x not a tensor", "x", TypeError, _score(lambda x, m, w: (x.numpy(), m, w))),
     ("no classes", "means", ValueError, _score(lambda x, m, w: (x, m[:0], w))),
     ("no features", "x", ValueError, _score(lambda x, m, w: (x[:, :0], m[:, :0], w[:0, :0]))),
+    ("fitted x 1-D", "x", ValueError, _fitted(lambda x, c, w, p, s: (x[0], c, w, p, s))),
+    ("fitted center 2-D", "center", ValueError, _fitted(lambda x, c, w, p, s: (x, c[None], w, p, s))),
+    ("fitted center features", "center", ValueError, _fitted(lambda x, c, w, p, s: (x, c[:3], w, p, s))),
+    ("fitted whitener columns", "whitener", ValueError, _fitted(lambda x, c, w, p, s: (x, c, w[:, :3], p, s))),
+    ("fitted class_proj features", "class_proj", ValueError, _fitted(lambda x, c, w, p, s: (x, c, w, p[:, :3], s))),
+    ("fitted no classes", "class_proj", ValueError, _fitted(lambda x, c, w, p, s: (x, c, w, p[:0], s[:0]))),
+    ("fitted class_sq classes", "class_sq", ValueError, _fitted(lambda x, c, w, p, s: (x, c, w, p, s[:1]))),
+    ("fitted center float64 for float32 x", "center", TypeError,
+     _fitted(lambda x, c, w, p, s: (x, c.double(), w, p, s))),
+    ("fitted class_proj float16 for float16 x", "class_proj", TypeError,
+     _fitted(lambda x, c, w, p, s: (x.half(), c, w, p.half(), s))),
+    ("fitted class_sq on meta", "class_sq", ValueError, _fitted(lambda x, c, w, p, s: (x, c, w, p, s.to("meta")))),
+    ("fitted class_sq not a tensor", "class_sq", TypeError, _fitted(lambda x, c, w, p, s: (x, c, w, p, s.tolist()))),
     ("covariance unknown", "covariance", ValueError, _scorer("__init__", covariance="shrunk")),
     ("ridge negative", "ridge", ValueError, _scorer("__init__", ridge=-1.0)),
     ("ridge nan", "ridge", ValueError, _scorer("__init__", ridge=math.nan)),
@@ -195,12 +220,16 @@ EDM = [
 ]
 
 
-def _rows(table, op: str, maker) -> list[Row]:
-    """``table``'s rows, those whose call ``maker`` made naming ``op`` (the others check the scorers)."""
-    return [Row(*row, op=op if row[3].__qualname__.startswith(f"{maker.__name__}.") else None) for row in table]
+def _rows(table, ops: dict) -> list[Row]:
+    """``table``'s rows, each naming the op (of ``ops``, ``{op: the maker of its calls}``) whose call it
+    makes (None: the rows that check the scorers)."""
+    def op_of(call):
+        return next((op for op, maker in ops.items() if call.__qualname__.startswith(f"{maker.__name__}.")), None)
+    return [Row(*row, op=op_of(row[3])) for row in table]
 
 
-BAD_INPUTS = {"ood": _rows(OOD, "mahalanobis_score", _score), "edm": _rows(EDM, "edm_score", _edm_score)}
+BAD_INPUTS = {"ood": _rows(OOD, {"mahalanobis_score": _score, "mahalanobis_score_fitted": _fitted}),
+              "edm": _rows(EDM, {"edm_score": _edm_score})}
 
 
 # ---- device cases ----

@@ -7,7 +7,8 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import _checks
-from ..ops.ood import mahalanobis_score
+from ..ops.ood import mahalanobis_score, mahalanobis_score_fitted
+from ..reference.ood import class_terms
 from .scorer import FittedScorer
 
 __all__ = ["MahalanobisScorer", "mahalanobis_score", "COVARIANCE_ESTIMATORS"]
@@ -70,8 +71,16 @@ class MahalanobisScorer(FittedScorer):
     with a graph only to an ``x`` that requires grad; the fitted statistics are buffers, never
     differentiated, so ``forward`` gives the same). Fitted buffers are float64: ``means_``,
     ``covariance_``, ``precision_``, ``whitener_`` (upper triangular, ``whitener_ @ whitener_.T ==
-    precision_``) and ``shrinkage_``; ``state_dict()`` / ``load_state_dict()`` carry them.
+    precision_``) and ``shrinkage_``; ``state_dict()`` / ``load_state_dict()`` carry them. What scoring
+    reads is derived from them once, by ``fit`` and ``load_state_dict``: the class terms of
+    :func:`~torch_kernels.mahalanobis_score_fitted` (each class mean whitened) and float32 copies, so
+    that a call costs the rows' whitening alone; after writing to the fitted buffers in place, load
+    them again (``load_state_dict(state_dict())``) to refresh what is derived.
     """
+
+    # the buffers scoring reads for x of each compute dtype: mahalanobis_score_fitted's arguments after x
+    _TERMS = {torch.float32: ("_center32", "_whitener32", "_class_proj32", "_class_sq32"),
+              torch.float64: ("_center64", "whitener_", "_class_proj64", "_class_sq64")}
 
     def __init__(self, covariance: str = "empirical", ridge: float = 0.0):
         super().__init__()
@@ -83,9 +92,11 @@ class MahalanobisScorer(FittedScorer):
         self.ridge = float(ridge)
         for name in ("means_", "covariance_", "precision_", "whitener_", "shrinkage_"):
             self.register_buffer(name, torch.empty(0, dtype=torch.float64))
-        # float32 copies the op reads, so that scoring converts nothing per call
-        self.register_buffer("_means32", torch.empty(0), persistent=False)
-        self.register_buffer("_whitener32", torch.empty(0), persistent=False)
+        # what the op reads, derived once per fit or load so that scoring converts and whitens nothing
+        # per call: float32 (and float64) class terms, the whitener in float32
+        for name in ("_center32", "_whitener32", "_class_proj32", "_class_sq32", "_center64", "_class_proj64",
+                     "_class_sq64"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
 
     @property
     def fitted(self) -> bool:
@@ -220,7 +231,12 @@ class MahalanobisScorer(FittedScorer):
         self._refresh_copies()
 
     def _refresh_copies(self) -> None:
-        self._means32 = self.means_.to(torch.float32)
+        # the class terms in float64, each float32 one rounded from them (more accurate than whitening
+        # the rounded means); clones, as the one-class terms are shared tables
+        with torch.no_grad():
+            center, class_proj, class_sq = (t.clone() for t in class_terms(self.means_, self.whitener_, torch.float64))
+        self._center64, self._class_proj64, self._class_sq64 = center, class_proj, class_sq
+        self._center32, self._class_proj32, self._class_sq32 = (t.to(torch.float32) for t in (center, class_proj, class_sq))
         self._whitener32 = self.whitener_.to(torch.float32)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -235,6 +251,5 @@ class MahalanobisScorer(FittedScorer):
     def forward(self, x: torch.Tensor, implementation: str | Sequence[str] | None = None) -> torch.Tensor:
         """``[B]`` squared Mahalanobis distances of ``x [B, D]`` (min over classes), float32."""
         self._require_fitted()
-        if x.dtype == torch.float64:
-            return mahalanobis_score(x, self.means_, self.whitener_, implementation)
-        return mahalanobis_score(x, self._means32, self._whitener32, implementation)
+        names = self._TERMS[torch.float64 if x.dtype == torch.float64 else torch.float32]
+        return mahalanobis_score_fitted(x, *(getattr(self, name) for name in names), implementation)

@@ -1,5 +1,6 @@
-"""The ood family's ops, ``torch_kernels::mahalanobis_score`` and ``torch_kernels::edm_score``: their
-schemas, fakes, autograd, FLOP and byte formulas and wrappers."""
+"""The ood family's ops, ``torch_kernels::mahalanobis_score`` (and ``mahalanobis_score_fitted``, the same
+score from class terms computed once) and ``torch_kernels::edm_score``: their schemas, fakes, autograd,
+FLOP and byte formulas and wrappers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .._library import define, io_bytes, register_cost
 from ..families import Case
 from ..reference import ood as reference
 
-__all__ = ["mahalanobis_score", "edm_score"]
+__all__ = ["mahalanobis_score", "mahalanobis_score_fitted", "edm_score"]
 
 OP = "mahalanobis_score"
 
@@ -37,33 +38,50 @@ def check_inputs(x, means, whitener) -> None:
             and param_dtypes is not None and means.dtype in param_dtypes and whitener.dtype in param_dtypes
             and x.device == means.device == whitener.device):
         return
-    _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
-    param_dtypes = _PARAM_DTYPES[x.dtype]
-    _checks.tensor("means", means, ndim=2, dtypes=param_dtypes)
-    _checks.tensor("whitener", whitener, ndim=2, dtypes=param_dtypes)
-    d = x.shape[1]
-    if d == 0:
-        raise ValueError("x: expected at least one feature, got shape (B, 0)")
+    d = _check_x_and_whitener(x, whitener)
+    _checks.tensor("means", means, ndim=2, dtypes=_PARAM_DTYPES[x.dtype])
     if means.shape[0] == 0:
         raise ValueError("means: expected at least one class, got shape (0, D)")
     _checks.size("means", 1, means.shape[1], d, "features D of x")
+    _checks.same_device(x=x, means=means, whitener=whitener)
+
+
+def _check_x_and_whitener(x, whitener) -> int:
+    """``x [B, D]`` and ``whitener [D, D]`` of dtypes that go together, ``D > 0``; returns ``D``."""
+    _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("whitener", whitener, ndim=2, dtypes=_PARAM_DTYPES[x.dtype])
+    d = x.shape[1]
+    if d == 0:
+        raise ValueError("x: expected at least one feature, got shape (B, 0)")
     _checks.size("whitener", 0, whitener.shape[0], d, "features D of x")
     _checks.size("whitener", 1, whitener.shape[1], d, "features D of x")
-    _checks.same_device(x=x, means=means, whitener=whitener)
+    return d
 
 
 def _nearest(x, means, whitener, implementation):
     """(scores, nearest class) from the chosen backend's fused kernel."""
-    dtype = reference.compute_dtype(x.dtype)
+    if means.requires_grad or whitener.requires_grad:
+        means, whitener = means.detach(), whitener.detach()
+    return _nearest_fitted(x, *_class_terms(x, means, whitener), implementation)
+
+
+def _class_terms(x, means, whitener):
+    """``(center, whitener, class_proj, class_sq)``, the kernels' arguments after ``x``."""
+    center, class_proj, class_sq = reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
+    return center, whitener, class_proj, class_sq
+
+
+def _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation):
+    """(scores, nearest class) from the chosen backend's fused kernel, given the class terms."""
     if x.shape[0] == 0:
-        return x.new_empty(0, dtype=dtype), x.new_empty(0, dtype=torch.int64)
-    if x.requires_grad or means.requires_grad or whitener.requires_grad:
+        return x.new_empty(0, dtype=reference.compute_dtype(x.dtype)), x.new_empty(0, dtype=torch.int64)
+    terms = (x, center, whitener, class_proj, class_sq)
+    if any(t.requires_grad for t in terms):
         # kernels take plain tensors (DLPack and USM copies refuse grad-requiring ones)
-        x, means, whitener = x.detach(), means.detach(), whitener.detach()
-    center, class_proj, class_sq = reference.class_terms(means, whitener, dtype)
+        terms = tuple(t.detach() for t in terms)
     return backends.dispatch(  # kernels index their inputs as dense row-major arrays
         OP, "cpu" if x.is_cpu else x.device.type, implementation,  # is_cpu is the cheaper question
-        x.contiguous(), center.contiguous(), whitener.contiguous(), class_proj, class_sq,
+        *(t.contiguous() for t in terms),
     )
 
 
@@ -175,7 +193,9 @@ def mahalanobis_score(
     """Squared Mahalanobis distance of each row of ``x`` to its nearest class mean.
 
     ``score[b] = min_c ||(x[b] - means[c]) @ whitener||^2``, where ``whitener @ whitener.T`` is
-    the precision matrix (``torch_kernels.ood.MahalanobisScorer`` fits both).
+    the precision matrix (``torch_kernels.ood.MahalanobisScorer`` fits both). Each call whitens the
+    means too (``C D^2`` multiply-adds); scoring again and again against one fit,
+    :func:`mahalanobis_score_fitted` takes them whitened once.
 
     Args:
         x: ``[B, D]`` features, float16, bfloat16, float32 or float64.
@@ -199,6 +219,168 @@ def mahalanobis_score(
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     return mahalanobis_score_op(x, means, whitener, backends.implementation_arg(implementation))
+
+
+# ---- mahalanobis_score_fitted ----
+#
+# The same score as mahalanobis_score, from the class terms the kernels take (center, class_proj,
+# class_sq) rather than the means: a fitted scorer computes them once instead of whitening every class
+# mean (O(C D^2)) on every call. A separate op rather than optional arguments of mahalanobis_score, so
+# that each op is a function of its own inputs: no terms can disagree with the means they came from, and
+# each op's gradients are those of what it computed.
+
+FITTED_OP = "mahalanobis_score_fitted"
+
+
+def check_fitted_inputs(x, center, whitener, class_proj, class_sq) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit ``mahalanobis_score_fitted``."""
+    dtype = reference.compute_dtype(x.dtype)
+    param_dtypes = _PARAM_DTYPES.get(x.dtype)
+    xs, ws, ps = x.shape, whitener.shape, class_proj.shape
+    # the common case in one comparison; the detailed checks below say what is wrong
+    if (len(xs) == len(ws) == len(ps) == 2 and center.dim() == class_sq.dim() == 1
+            and xs[1] == ws[0] == ws[1] == ps[1] == center.shape[0] > 0 and ps[0] == class_sq.shape[0] > 0
+            and param_dtypes is not None and whitener.dtype in param_dtypes
+            and center.dtype == class_proj.dtype == class_sq.dtype == dtype
+            and x.device == center.device == whitener.device == class_proj.device == class_sq.device):
+        return
+    d = _check_x_and_whitener(x, whitener)
+    _checks.tensor("center", center, ndim=1, dtypes=(dtype,))
+    _checks.tensor("class_proj", class_proj, ndim=2, dtypes=(dtype,))
+    _checks.tensor("class_sq", class_sq, ndim=1, dtypes=(dtype,))
+    if class_proj.shape[0] == 0:
+        raise ValueError("class_proj: expected at least one class, got shape (0, D)")
+    _checks.size("center", 0, center.shape[0], d, "features D of x")
+    _checks.size("class_proj", 1, class_proj.shape[1], d, "features D of x")
+    _checks.size("class_sq", 0, class_sq.shape[0], class_proj.shape[0], "classes C of class_proj")
+    _checks.same_device(x=x, center=center, whitener=whitener, class_proj=class_proj, class_sq=class_sq)
+
+
+def _fitted_kernel(x, center, whitener, class_proj, class_sq, implementation=None):
+    check_fitted_inputs(x, center, whitener, class_proj, class_sq)
+    return _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation)[0]
+
+
+def _fitted_fake(x, center, whitener, class_proj, class_sq, implementation=None):
+    check_fitted_inputs(x, center, whitener, class_proj, class_sq)
+    return x.new_empty(x.shape[0], dtype=reference.compute_dtype(x.dtype))
+
+
+def _fitted_gradients(grad, x, center, whitener, class_proj, class_sq, nearest):
+    """d score / d (x, center, whitener, class_proj, class_sq) given each row's nearest class, in plain
+    torch ops (differentiable themselves). With ``y = (x - center) W`` the score is
+    ``||y||^2 - 2 y.class_proj[n] + class_sq[n]`` for the nearest class ``n``."""
+    dtype = reference.compute_dtype(x.dtype)
+    w = whitener.to(dtype)
+    centred = x.to(dtype) - center
+    y = centred @ w
+    g = grad.to(dtype)
+    weighted = (y - class_proj[nearest]) * (2.0 * g)[:, None]  # (x - means[n]) W for consistent terms
+    grad_x = weighted @ w.T
+    grad_proj = torch.zeros_like(class_proj).index_add(0, nearest, y * g[:, None], alpha=-2.0)
+    grad_sq = torch.zeros_like(class_sq).index_add(0, nearest, g)
+    return grad_x.to(x.dtype), -grad_x.sum(dim=0), (centred.T @ weighted).to(whitener.dtype), grad_proj, grad_sq
+
+
+def _fitted_backward_kernel(grad, x, center, whitener, class_proj, class_sq, implementation=None):
+    check_fitted_inputs(x, center, whitener, class_proj, class_sq)
+    _check_grad(grad, x)
+    _, nearest = _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation)
+    return tuple(g.contiguous() for g in _fitted_gradients(grad, x, center, whitener, class_proj, class_sq, nearest))
+
+
+def _fitted_backward_fake(grad, x, center, whitener, class_proj, class_sq, implementation=None):
+    check_fitted_inputs(x, center, whitener, class_proj, class_sq)
+    _check_grad(grad, x)
+    return tuple(t.new_empty(t.shape) for t in (x, center, whitener, class_proj, class_sq))
+
+
+_FITTED_SIGNATURE = "Tensor x, Tensor center, Tensor whitener, Tensor class_proj, Tensor class_sq, str? implementation=None"
+
+mahalanobis_score_fitted_backward = define(
+    f"mahalanobis_score_fitted_backward(Tensor grad, {_FITTED_SIGNATURE}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _fitted_backward_kernel,
+    _fitted_backward_fake,
+)
+
+
+def _fitted_setup_context(ctx, inputs, output):
+    x, center, whitener, class_proj, class_sq, implementation = (inputs + (None,))[:6]
+    ctx.save_for_backward(x, center, whitener, class_proj, class_sq)
+    order, explicit = backends.resolve(x.device.type, implementation)
+    ctx.implementation = ",".join(order) if explicit else None
+
+
+def _fitted_backward(ctx, grad):
+    tensors = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: build the gradients from differentiable ops
+        with torch.no_grad():
+            _, nearest = _nearest_fitted(*tensors, ctx.implementation)
+        grads = _fitted_gradients(grad, *tensors, nearest)
+    else:
+        grads = mahalanobis_score_fitted_backward(grad, *tensors, ctx.implementation)
+    return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None)
+
+
+mahalanobis_score_fitted_op = define(
+    f"mahalanobis_score_fitted({_FITTED_SIGNATURE}) -> Tensor",
+    _fitted_kernel,
+    _fitted_fake,
+    setup_context=_fitted_setup_context,
+    backward=_fitted_backward,
+)
+
+
+def fitted_score_flops(b: int, c: int, d: int) -> int:
+    """Whitening GEMM, the products with the class terms and norms: 2BD^2 + 2BCD + 2BD."""
+    return 2 * b * d * d + 2 * b * c * d + 2 * b * d
+
+
+def _fitted_sizes(a):
+    return a.x.shape[0], a.class_proj.shape[0], a.x.shape[1]
+
+
+register_cost(mahalanobis_score_fitted_op, bytes=io_bytes, flops=lambda a, out: fitted_score_flops(*_fitted_sizes(a)))
+# the recomputed forward, then y, (.) @ W^T and (x - center)^T @ (.)
+register_cost(mahalanobis_score_fitted_backward, bytes=io_bytes,
+              flops=lambda a, out: fitted_score_flops(*_fitted_sizes(a)) + 3 * 2 * a.x.shape[0] * a.x.shape[1] ** 2)
+
+
+def mahalanobis_score_fitted(
+    x: torch.Tensor,
+    center: torch.Tensor,
+    whitener: torch.Tensor,
+    class_proj: torch.Tensor,
+    class_sq: torch.Tensor,
+    implementation: str | Sequence[str] | None = None,
+) -> torch.Tensor:
+    """:func:`mahalanobis_score` from class terms computed once: what a fitted scorer calls.
+
+    ``mahalanobis_score(x, means, whitener)`` whitens every class mean on every call (``O(C D^2)``,
+    more than scoring a few rows costs); this op takes the result. With
+    ``center, class_proj, class_sq = torch_kernels.reference.ood.class_terms(means, whitener, dtype)``
+    (``dtype`` float32, or float64 for float64 ``x``) it gives ``mahalanobis_score(x, means, whitener)``:
+    ``y = (x - center) @ whitener``, ``score[b] = max(min_c ||y_b||^2 - 2 y_b . class_proj[c] + class_sq[c], 0)``.
+    ``torch_kernels.ood.MahalanobisScorer`` keeps these terms from its fit.
+
+    Args:
+        x: ``[B, D]`` features, float16, bfloat16, float32 or float64.
+        center: ``[D]``, ``class_proj``: ``[C, D]``, ``class_sq``: ``[C]``; float32 (float64 for float64 ``x``).
+        whitener: ``[D, D]``, x's dtype or float32 (as for :func:`mahalanobis_score`).
+        implementation: a backend name or ordered list of names (``"reference"``, ``"triton"``,
+            ``"pallas"``, ``"sycl"``); ``None`` chooses by device (see ``torch_kernels.backends``).
+
+    Returns:
+        ``[B]`` scores, float32 (float64 for float64 ``x``). Differentiable in all five tensors, as
+        functions of this op's inputs (higher orders too; ``torch.func`` transforms are not
+        supported); the gradient to ``x`` equals :func:`mahalanobis_score`'s for terms made from its means.
+    """
+    for name, value in (("x", x), ("center", center), ("whitener", whitener), ("class_proj", class_proj),
+                        ("class_sq", class_sq)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return mahalanobis_score_fitted_op(x, center, whitener, class_proj, class_sq,
+                                       backends.implementation_arg(implementation))
 
 
 # ---- edm_score ----

@@ -1,4 +1,4 @@
-"""The ood family on the pallas backend: ``mahalanobis_score`` and ``edm_score``.
+"""The ood family on the pallas backend: ``mahalanobis_score`` (and ``mahalanobis_score_fitted``) and ``edm_score``.
 
 CPU torch tensors: ``pallas_mahalanobis_min`` and ``pallas_edm_score_levels``, the kernels
 ``torch_kernels.ops.ood`` registers. Torchax tensors: :func:`torchax_implementations`.
@@ -60,4 +60,6 @@ def torchax_implementations() -> dict:
 
     mahalanobis = torchax_implementation(op.check_inputs, pallas=kernels.mahalanobis_score,
                                          reference=kernels.mahalanobis_score_reference)
-    return {op.OP: mahalanobis, op.EDM_OP: _edm_score_implementation()}
+    fitted = torchax_implementation(op.check_fitted_inputs, pallas=kernels.mahalanobis_score_fitted,
+                                    reference=kernels.mahalanobis_score_fitted_reference)
+    return {op.OP: mahalanobis, op.FITTED_OP: fitted, op.EDM_OP: _edm_score_implementation()}
