@@ -240,6 +240,8 @@ DEVICE_CASES = [
     DeviceCase("mahalanobis_score 4096 x 1024, 16 classes", "mahalanobis_score",
                sized(family_ops.mahalanobis_inputs, b=4 * K, d=K, c=16), torch_kernels.mahalanobis_score, grads=(0,),
                **LARGE),
+    DeviceCase("mahalanobis_score_fitted", "mahalanobis_score_fitted", family_ops.mahalanobis_inputs,
+               family_ops.fitted_score, grads=(0, 1, 2)),
     DeviceCase("edm_score", "edm_score", family_ops.edm_inputs, family_ops.edm_denoise_score, grads=tuple(range(13))),
     DeviceCase("edm_score 4096 x 384, width 512", "edm_score",
                sized(family_ops.edm_inputs, b=4 * K, d=384, h=512, blocks=2, levels=4), family_ops.edm_denoise_score, grads=(0,),

@@ -62,7 +62,7 @@ def _nearest(x, means, whitener, implementation):
     """(scores, nearest class) from the chosen backend's fused kernel."""
     if means.requires_grad or whitener.requires_grad:
         means, whitener = means.detach(), whitener.detach()
-    return _nearest_fitted(x, *_class_terms(x, means, whitener), implementation)
+    return _nearest_fitted(x, *_class_terms(x, means, whitener), implementation, OP)
 
 
 def _class_terms(x, means, whitener):
@@ -71,8 +71,8 @@ def _class_terms(x, means, whitener):
     return center, whitener, class_proj, class_sq
 
 
-def _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation):
-    """(scores, nearest class) from the chosen backend's fused kernel, given the class terms."""
+def _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation, op):
+    """(scores, nearest class) from ``op``'s chosen backend's fused kernel, given the class terms."""
     if x.shape[0] == 0:
         return x.new_empty(0, dtype=reference.compute_dtype(x.dtype)), x.new_empty(0, dtype=torch.int64)
     terms = (x, center, whitener, class_proj, class_sq)
@@ -80,7 +80,7 @@ def _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation):
         # kernels take plain tensors (DLPack and USM copies refuse grad-requiring ones)
         terms = tuple(t.detach() for t in terms)
     return backends.dispatch(  # kernels index their inputs as dense row-major arrays
-        OP, "cpu" if x.is_cpu else x.device.type, implementation,  # is_cpu is the cheaper question
+        op, "cpu" if x.is_cpu else x.device.type, implementation,  # is_cpu is the cheaper question
         *(t.contiguous() for t in terms),
     )
 
@@ -231,6 +231,12 @@ def mahalanobis_score(
 
 FITTED_OP = "mahalanobis_score_fitted"
 
+# the same kernels as mahalanobis_score's, which take the class terms already
+backends.register(FITTED_OP, "reference", reference.mahalanobis_min)
+backends.register(FITTED_OP, "triton", "triton_impl.ood:mahalanobis_min")
+backends.register(FITTED_OP, "pallas", "torch_kernels.pallas.ood:pallas_mahalanobis_min")
+backends.register(FITTED_OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
+
 
 def check_fitted_inputs(x, center, whitener, class_proj, class_sq) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit ``mahalanobis_score_fitted``."""
@@ -258,7 +264,7 @@ def check_fitted_inputs(x, center, whitener, class_proj, class_sq) -> None:
 
 def _fitted_kernel(x, center, whitener, class_proj, class_sq, implementation=None):
     check_fitted_inputs(x, center, whitener, class_proj, class_sq)
-    return _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation)[0]
+    return _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation, FITTED_OP)[0]
 
 
 def _fitted_fake(x, center, whitener, class_proj, class_sq, implementation=None):
@@ -285,7 +291,7 @@ def _fitted_gradients(grad, x, center, whitener, class_proj, class_sq, nearest):
 def _fitted_backward_kernel(grad, x, center, whitener, class_proj, class_sq, implementation=None):
     check_fitted_inputs(x, center, whitener, class_proj, class_sq)
     _check_grad(grad, x)
-    _, nearest = _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation)
+    _, nearest = _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation, FITTED_OP)
     return tuple(g.contiguous() for g in _fitted_gradients(grad, x, center, whitener, class_proj, class_sq, nearest))
 
 
@@ -315,7 +321,7 @@ def _fitted_backward(ctx, grad):
     tensors = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: build the gradients from differentiable ops
         with torch.no_grad():
-            _, nearest = _nearest_fitted(*tensors, ctx.implementation)
+            _, nearest = _nearest_fitted(*tensors, ctx.implementation, FITTED_OP)
         grads = _fitted_gradients(grad, *tensors, nearest)
     else:
         grads = mahalanobis_score_fitted_backward(grad, *tensors, ctx.implementation)
@@ -681,7 +687,14 @@ def _edm_definition(x, *params):
                                      EDM_SIGMA_DATA, "denoise")
 
 
+def fitted_score(x, means, whitener, implementation=None):
+    """:func:`mahalanobis_score_fitted` on the class terms of ``means`` (the doctor's check)."""
+    center, class_proj, class_sq = reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
+    return mahalanobis_score_fitted(x, center, whitener, class_proj, class_sq, implementation)
+
+
 def selftest_cases() -> list[Case]:
     """The doctor's checks of this family's ops against their float64 definitions."""
     return [Case(OP, mahalanobis_inputs, mahalanobis_score, reference.mahalanobis_score_naive),
+            Case(FITTED_OP, mahalanobis_inputs, fitted_score, reference.mahalanobis_score_naive),
             Case(EDM_OP, edm_inputs, edm_denoise_score, _edm_definition)]
