@@ -62,13 +62,13 @@ def _nearest(x, means, whitener, implementation):
     """(scores, nearest class) from the chosen backend's fused kernel."""
     if means.requires_grad or whitener.requires_grad:
         means, whitener = means.detach(), whitener.detach()
-    return _nearest_fitted(x, *_class_terms(x, means, whitener), implementation, OP)
+    center, class_proj, class_sq = _class_terms(x, means, whitener)
+    return _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation, OP)
 
 
 def _class_terms(x, means, whitener):
-    """``(center, whitener, class_proj, class_sq)``, the kernels' arguments after ``x``."""
-    center, class_proj, class_sq = reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
-    return center, whitener, class_proj, class_sq
+    """``(center, class_proj, class_sq)`` of ``means`` in the compute dtype of ``x``."""
+    return reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
 
 
 def _nearest_fitted(x, center, whitener, class_proj, class_sq, implementation, op):
@@ -689,7 +689,7 @@ def _edm_definition(x, *params):
 
 def fitted_score(x, means, whitener, implementation=None):
     """:func:`mahalanobis_score_fitted` on the class terms of ``means`` (the doctor's check)."""
-    center, class_proj, class_sq = reference.class_terms(means, whitener, reference.compute_dtype(x.dtype))
+    center, class_proj, class_sq = _class_terms(x, means, whitener)
     return mahalanobis_score_fitted(x, center, whitener, class_proj, class_sq, implementation)
 
 
