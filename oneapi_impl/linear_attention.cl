@@ -351,11 +351,11 @@ void chunk_backward(__global const qk_t *q, __global const qk_t *k, __global con
                 }
                 const float dm = scale * dow;
                 P1[t][s] = dm * decay;
-                M[t][s] *= dm;
+                if (!PER_CHANNEL) M[t][s] *= dm;  // dg's terms: per head only
                 if (DELTA) {
                     const float da = s < t ? -rw : 0.0f;
                     P2[t][s] = bt[t] * da * decay;
-                    M[t][s] += bt[t] * da * Dkk[t][s];  // unused with PER_CHANNEL
+                    if (!PER_CHANNEL) M[t][s] += bt[t] * da * Dkk[t][s];
                     Dkk[t][s] *= da;
                 } else {
                     P2[t][s] = 0.0f;

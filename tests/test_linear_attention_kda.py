@@ -113,15 +113,16 @@ def test_strong_per_channel_decay_stays_exact(backend, op):
     """A quarter of the channels decay by -5 to -20 per step (exp(-1280) over a chunk), one by
     -inf at some steps (a reset of that channel), one by -1e4 (real gates reach it) on the first
     and last steps of chunks and of the 16-step blocks the chunked kernels split them in (the last
-    packed sequence starts at step 12): outputs, final states and every gradient equal the float64
-    recurrence to float32 precision, with no inf or NaN anywhere. On the chunked forms and the
-    hand-written backward kernels; pallas's step form is a JAX scan multiplying by exp(g_t) and
-    differentiated by JAX, with nothing a strong decay could cancel. The packed case's shapes:
+    packed sequence starts at step 2 and crosses a 64-step chunk at step 66, so the per-channel
+    state is carried from one chunk to the next): outputs, final states and every gradient equal
+    the float64 recurrence to float32 precision, with no inf or NaN anywhere. On the chunked forms
+    and the hand-written backward kernels; pallas's step form is a JAX scan multiplying by exp(g_t)
+    and differentiated by JAX, with nothing a strong decay could cancel. The packed case's shapes:
     test_matches_definition has compiled their interpreted kernels."""
     require_backend(backend)
-    x = make_inputs(**CASES["T75-packed-K20-V36"], decay="strong", seed=8)
-    x["g"][0, [28, 59, 70], 0, 3] = float("-inf")
-    x["g"][0, [0, 10, 11, 12, 27, 28, 43, 44, 59, 60, 74], 0, 5] = -1e4
+    x = make_inputs(**dict(CASES["T75-packed-K20-V36"], cu_seqlens=[0, 1, 1, 2, 75]), decay="strong", seed=8)
+    x["g"][0, [28, 59, 66, 70], 0, 3] = float("-inf")
+    x["g"][0, [0, 1, 2, 17, 18, 33, 34, 49, 50, 65, 66, 74], 0, 5] = -1e4
     x["beta"] = torch.ones_like(x["beta"])
     errors = errors_against_definition(op, x, backend)
     bad = {n: f"{e:.1e}" for n, e in errors.items() if not e <= 1e-5}

@@ -343,8 +343,7 @@ def channel_products_kernel(
             # through step r, the last of sub-chunk i - 1: D_tsc = exp(b_tc - b_rc) exp(b_rc - b_sc),
             # g_{r+1} + ... + g_t over sub-chunk i and g_{s+1} + ... + g_r from sub-chunk j to r,
             # both <= 0, so the product is one matmul and neither factor can overflow
-            after_ok = (rows_j + 1 < end) & (idx < SB - 1)
-            to_r = tl.cumsum(_rows(g_ptr, rows_j + 1, after_ok, hv, HV, dims, k_ok, K), axis=0, reverse=True)
+            to_r = _channel_gates(g_ptr, rows_j, end, hv, HV, dims, k_ok, K, SB)[2]
             for m in range(j + 1, i):  # the whole sub-chunks between
                 rows_m = t0 + m * SB + idx
                 to_r += tl.sum(_rows(g_ptr, rows_m, rows_m < end, hv, HV, dims, k_ok, K), axis=0)[None, :]
@@ -400,6 +399,7 @@ def wy_kernel(
             kk11 += dot_tf32x3(k1, tl.trans(k1))
             kk21 += dot_tf32x3(k2, tl.trans(k1))
             kk22 += dot_tf32x3(k2, tl.trans(k2))
+        # read after the K loop: loaded before it, the betas pushed the per-head kernel to a spill at K = 128
         beta1 = tl.load(beta_ptr + rows1.to(tl.int64) * HV + hv, mask=ok1, other=0.0)
         beta2 = tl.load(beta_ptr + rows2.to(tl.int64) * HV + hv, mask=ok2, other=0.0)
         g1, b1, to_end1 = _chunk_gates(g_ptr, rows1, end, hv, HV, HAS_G, HALF)
@@ -606,9 +606,9 @@ def chunk_state_backward_kernel(
         end_decay = tl.where(ok, tl.exp(to_end), 0.0)
         tl.debug_barrier()  # dS, stored by every thread, is read back by others
         qk = tl.zeros([C, C], tl.float32)
+        dw = tl.zeros([C, BV], tl.float32)
         if PER_CHANNEL:  # P(Q, K)^T dO by SB-row slices: a [C, C] tile held whole spilled
             steps = tl.arange(0, C)
-            dw = tl.zeros([C, BV], tl.float32)
             for s0 in range(0, C, SB):
                 part = s0 + tl.arange(0, SB)
                 part_rows = t0 + part
@@ -616,8 +616,6 @@ def chunk_state_backward_kernel(
                 pqk = tl.where(part[:, None] >= steps[None, :],
                                _rows(pqk_ptr, part_rows, part_ok, hv, HV, steps, steps < C, C), 0.0)
                 dw += scale * dot_tf32x3(tl.trans(pqk), _rows(do_ptr, part_rows, part_ok, hv, HV, cols, v_ok, V))
-        else:
-            dw = tl.zeros([C, BV], tl.float32)
         for k0 in range(0, K, BK):
             block = k0 + tl.arange(0, BK)
             k = _rows(k_ptr, rows, ok, kh, H, block, block < K, K)
@@ -835,14 +833,13 @@ def chunk_grad_channel_kernel(
         steps_i = i * SB + idx
         q_i = _rows(q_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
         k_i = _rows(k_ptr, rows_i, ok_i, kh, H, dims, k_ok, K)
-        g_i = _rows(g_ptr, rows_i, ok_i, hv, HV, dims, k_ok, K)
+        # within_to_end: g_{t+1} + ... to this block's end
+        g_i, b_i, within_to_end = _channel_gates(g_ptr, rows_i, end, hv, HV, dims, k_ok, K, SB)
         beta_i = tl.load(beta_ptr + rows_i.to(tl.int64) * HV + hv, mask=ok_i, other=0.0)
         # this block's rows of exp(b) and exp(b_C - b): the steps before it (after it) summed
         before = tl.sum(tl.where((steps < i * SB)[:, None], g, 0.0), axis=0)
-        exp_b = tl.where(ok_i[:, None], tl.exp(before[None, :] + tl.cumsum(g_i, axis=0)), 0.0)
+        exp_b = tl.where(ok_i[:, None], tl.exp(before[None, :] + b_i), 0.0)
         later = tl.sum(tl.where((steps >= (i + 1) * SB)[:, None], g, 0.0), axis=0)
-        g_i_after = _rows(g_ptr, rows_i + 1, (rows_i + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
-        within_to_end = tl.cumsum(g_i_after, axis=0, reverse=True)  # g_{t+1} + ... to this block's end
         end_decay = tl.where(ok_i[:, None], tl.exp(within_to_end + later[None, :]), 0.0)
         # dO S0^T, W dS^T, dR S0^T of this block's rows, and <dS, S0> per channel
         do_s, w_ds, dr_s, ds_s = _state_products(h_ptr, dh_ptr, do_ptr, w_ptr, dr_ptr, state_base, rows_i, ok_i, hv,
@@ -871,14 +868,13 @@ def chunk_grad_channel_kernel(
         # the blocks before (columns s) and after (rows t) this one, SB steps deep each (a [SB, C]
         # operand held whole spilled): through step r, the last before the block of rows t,
         # D_tsc = exp(g_{r+1} + ... + g_t) exp(g_{s+1} + ... + g_r), sums of gates of one sign
-        from_r = tl.exp(tl.cumsum(g_i, axis=0))
+        from_r = tl.exp(b_i)
         for j in range(0, i):
             rows_j = t0 + j * SB + idx
             ok_j = rows_j < end
             steps_j = j * SB + idx
             between = tl.sum(tl.where(((steps >= (j + 1) * SB) & (steps < i * SB))[:, None], g, 0.0), axis=0)
-            after_j = _rows(g_ptr, rows_j + 1, (rows_j + 1 < end) & (idx < SB - 1), hv, HV, dims, k_ok, K)
-            to_r = tl.exp(tl.cumsum(after_j, axis=0, reverse=True) + between[None, :])
+            to_r = tl.exp(_channel_gates(g_ptr, rows_j, end, hv, HV, dims, k_ok, K, SB)[2] + between[None, :])
             k_to_r = _rows(k_ptr, rows_j, ok_j, kh, H, dims, k_ok, K) * to_r
             dp_k += from_r * dot_tf32x3(_rows(dp_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
             da_k += from_r * dot_tf32x3(_rows(da_ptr, rows_i, ok_i, hv, HV, steps_j, steps_j < C, C), k_to_r)
