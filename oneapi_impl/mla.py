@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from . import _runtime
-from .paged_attention import KINDS, device_caches, reshape_and_cache
+from .paged_attention import KINDS, Layout, default_layout, device_caches, reshape_and_cache, tile_keys
 
 SOURCE = "mla.cl"
 ROWS = 16  # query rows (token, head) per work-group, as in mla.cl
@@ -35,7 +35,7 @@ def _macros(query_dtype: torch.dtype, cache_dtype: torch.dtype, latent: int, rop
 def _local_bytes(latent: int, rope: int) -> int:
     """The __local arrays of mla.cl at these widths."""
     width = latent + rope
-    keys = 64 if width <= 64 else 32 if width <= 128 else 16 if width <= 256 else 8  # KT
+    keys = tile_keys(width)
     return 4 * (ROWS * width + keys * (width + 1) + ROWS * keys + 3 * ROWS) + 12 * keys + 8 * ROWS
 
 
@@ -57,9 +57,10 @@ def ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm
     if num_tokens == 0:
         return out, lse
     sparse = topk_indices is not None
-    heads_per_group = min(num_heads, ROWS)
-    max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
-    q_block = 1 if sparse else max(1, min(ROWS // heads_per_group, max_q_len))
+    # a sparse row reads its own positions: one token a work-group
+    layout = (Layout(1, min(num_heads, ROWS)) if sparse else
+              default_layout(num_heads, int((cu_q_lens[1:] - cu_q_lens[:-1]).max())))
+    q_block, heads_per_group = layout.q_block, layout.heads_per_group
     chunks = -(-num_heads // heads_per_group)
     q_blocks = num_tokens // q_block + num_seqs  # what the kernel's sequence search assumes
     cache = device_caches(kv_cache, kv_cache)[0]

@@ -47,9 +47,14 @@ def _work_group_size(head_size: int) -> int:
     return min(head_size, 256)  # WG of paged_attention.cl
 
 
+def tile_keys(width: int) -> int:
+    """Keys per local-memory tile of rows ``width`` wide: KT of paged_attention.cl and mla.cl."""
+    return 64 if width <= 64 else 32 if width <= 128 else 16 if width <= 256 else 8
+
+
 def _local_bytes(head_size: int) -> int:
     """The __local arrays of the attention kernel, as paged_attention.cl sizes them."""
-    keys = 64 if head_size <= 64 else 32 if head_size <= 128 else 16 if head_size <= 256 else 8  # KT
+    keys = tile_keys(head_size)
     floats = ROWS * head_size + keys * (head_size + 1) + keys * head_size + ROWS * keys + 3 * ROWS
     return 4 * floats + 2 * 8 * keys + 3 * 4 * ROWS + 4 * keys
 

@@ -59,8 +59,6 @@ def _chosen(case):
 @pytest.mark.parametrize("backend", backend_params(ops.OP))
 def test_fuzz_mla_matches_uncompressed_attention(backend):
     skip_pallas_compiles(backend, "each example is a new shape")
-    if backend == "sycl":  # passed 12 examples when written; here each costs a program build (~1.5 s)
-        pytest.skip("sycl: each example's Lr and R build a new program (~1.5 s); its fixed batches are in test_mla.py")
     @settings(fuzz_settings(backend))
     @given(batches())
     def check(case):

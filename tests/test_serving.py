@@ -270,10 +270,11 @@ def test_deepseek_v3_runner_hidden_states_match_transformers(tiny_deepseek_v3):
         assert (logits[j] - out.logits[0, -1]).abs().max() <= 1e-4 * out.logits[0, -1].abs().max()
 
 
-def test_deepseek_v3_with_weights_that_cannot_be_absorbed_is_refused(tiny_deepseek_v3):
+@pytest.mark.parametrize("layer", [0, 1])
+def test_deepseek_v3_with_weights_that_cannot_be_absorbed_is_refused(tiny_deepseek_v3, layer):
     import copy
     model = copy.deepcopy(tiny_deepseek_v3[0])
-    attn = model.model.layers[0].self_attn
+    attn = model.model.layers[layer].self_attn
     attn.kv_b_proj = torch.nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=True)
     with pytest.raises(TypeError, match="^model: its MLA weights cannot be absorbed: kv_b_proj is a Linear"):
         Engine(model, num_blocks=4, block_size=8)

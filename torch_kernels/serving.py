@@ -215,9 +215,10 @@ class PagedDeepseekV3(PagedRunner):
         if not hasattr(attn, "kv_b_proj"):
             raise TypeError(f"model: expected a DeepSeek-V3 *ForCausalLM (MLA layers with kv_b_proj), "
                             f"got {type(model).__name__}")
-        why = mla.unsupported(attn)
-        if why is not None:
-            raise TypeError(f"model: its MLA weights cannot be absorbed: {why}")
+        for i, layer in enumerate(model.model.layers):  # a checkpoint may quantize some layers only
+            why = mla.unsupported(layer.self_attn)
+            if why is not None:
+                raise TypeError(f"model: its MLA weights cannot be absorbed: {why} (layer {i})")
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedLatentCache:
         attn, weight = self.model.model.layers[0].self_attn, self.model.lm_head.weight
@@ -240,13 +241,9 @@ class PagedDeepseekV3(PagedRunner):
         q_nope, q_pe = mla.project_queries(attn, x[None], q_resid)
         c, k_pe = mla.project_latents(attn, x[None])
         q_pe, k_pe = self.rotate(attn)(q_pe, k_pe, *rope)
-        mla.mla_reshape_and_cache(c[0, 0], k_pe[0, 0], cache.latent[i], slot_mapping,
-                                  implementation=self.implementation)
-        out = mla.ragged_paged_mla(mla.absorbed_query(attn, q_nope[0].transpose(0, 1)), q_pe[0].transpose(0, 1),
-                                   cache.latent[i], cu_q_lens, kv_lens, block_table, attn.scaling,
-                                   topk_indices=self.select(i, attn, x, q_resid, rope, cache, batch),
-                                   implementation=self.implementation)
-        return attn.o_proj(mla.value_output(attn, out))
+        return mla.absorbed_attention(attn, q_nope[0].transpose(0, 1), q_pe[0].transpose(0, 1), c[0, 0], k_pe[0, 0],
+                                      cache.latent[i], cu_q_lens, kv_lens, block_table, slot_mapping,
+                                      self.implementation, self.select(i, attn, x, q_resid, rope, cache, batch))
 
 
 class PagedDeepseekV32(PagedDeepseekV3):

@@ -620,8 +620,6 @@ def latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation, topk
     positions ``<= S - T + i``)."""
     batch, heads, q_len, nope = q_nope.shape
     kv_len, latent = c.shape[2:]
-    q_latent = absorbed_query(module, q_nope.transpose(1, 2).reshape(batch * q_len, heads, nope))
-    q_rope = q_pe.transpose(1, 2).reshape(batch * q_len, heads, -1)
     cu_q_lens, kv_lens, table = _batch(q_len, kv_len - starts, kv_len, c.device)
     # the positions cached before this call are copied in; this call's own go through the cache write
     c, k_pe = c[:, 0], k_pe[:, 0]
@@ -629,11 +627,23 @@ def latent_attention(module, q_nope, q_pe, c, k_pe, starts, implementation, topk
     slots = (table.long()[:, :1] * LAYER_BLOCK_SIZE + kv_lens.long()[:, None] - q_len
              + torch.arange(q_len, device=c.device)).flatten()
     new = slice(kv_len - q_len, kv_len)  # every query is real: the last T positions of each row
-    mla_reshape_and_cache(c[:, new].reshape(batch * q_len, latent), k_pe[:, new].reshape(batch * q_len, -1),
-                          cache, slots, implementation=implementation)
-    out = ragged_paged_mla(q_latent, q_rope, cache, cu_q_lens, kv_lens, table, module.scaling,
-                           topk_indices=topk_indices, implementation=implementation)
-    return module.o_proj(value_output(module, out).view(batch, q_len, -1))
+    out = absorbed_attention(
+        module, q_nope.transpose(1, 2).reshape(batch * q_len, heads, nope),
+        q_pe.transpose(1, 2).reshape(batch * q_len, heads, -1), c[:, new].reshape(batch * q_len, latent),
+        k_pe[:, new].reshape(batch * q_len, -1), cache, cu_q_lens, kv_lens, table, slots, implementation, topk_indices)
+    return out.view(batch, q_len, -1)
+
+
+def absorbed_attention(module, q_nope, q_pe, c, k_pe, kv_cache, cu_q_lens, kv_lens, block_table, slot_mapping,
+                       implementation, topk_indices=None) -> torch.Tensor:
+    """The layer's attention output after ``o_proj``, ``[N, hidden]``, of a ragged batch of ``N``
+    token-major queries ``q_nope [N, H, dn]``, ``q_pe [N, H, R]`` (RoPE applied): this call's latents
+    ``c [N, Lr]`` and RoPE keys ``k_pe [N, R]`` written into ``kv_cache`` at ``slot_mapping``, then
+    attention in the latent space (``W_UK`` absorbed into the query, ``W_UV`` applied after)."""
+    mla_reshape_and_cache(c, k_pe, kv_cache, slot_mapping, implementation=implementation)
+    out = ragged_paged_mla(absorbed_query(module, q_nope), q_pe, kv_cache, cu_q_lens, kv_lens, block_table,
+                           module.scaling, topk_indices=topk_indices, implementation=implementation)
+    return module.o_proj(value_output(module, out))
 
 
 def _cached(module, cache, c, k_pe, attention_mask, kwargs):
