@@ -288,7 +288,8 @@ def main(argv=None) -> int:
                 "`CPUMLAImpl.forward_mqa` on the same latent cache, block table and absorbed queries "
                 f"({block}-token blocks, its kernel's only size, for every path); {VLLM_KERNEL}: the "
                 "`torch.ops._C.mla_decode_kvcache` call it makes, without its query concatenation and output "
-                "allocation. Ours and vLLM's: best of two rounds each, interleaved." if vllm_version else
+                "allocation. Ours: best of three timings (one before and one after each of vLLM's two rounds); "
+                "vLLM's: best of its two rounds; the decompressed path: one timing." if vllm_version else
                 f" {VLLM}: left out ({VLLM_PYTHON} did not run it; bash scripts/setup_vllm.sh makes it).")
     listed = ", ".join(f"{b} x {c}" + ("" if d else " (no decompressed path)") for _, b, c, d in shapes)
     text = (f"# MLA decode vs decompressed GQA and vLLM's CPU MLA\n\n{machine_line()}; {args.device}, {dtype}; "

@@ -318,8 +318,7 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
 def indexer_constexprs(num_heads: int, head_size: int, top_k: int, block_size: int, dot_f32: bool):
     """(constexprs, num_warps) of an indexer launch: heads and head size padded to powers of two
     of at least 16 (tl.dot's least), the kept keys to one of ``top_k``, 64 positions scored a
-    step, and warps enough that the sorted ``2 * TOPK_P`` keys stay in registers (16 at
-    DeepSeek-V3.2's top 2048)."""
+    step, and 8 warps from top 512 up (4 below) for the sorted ``2 * TOPK_P`` keys."""
     topk_p = max(16, triton.next_power_of_2(top_k))
     constexprs = {"HI": num_heads, "DI": head_size, "HI_P": max(16, triton.next_power_of_2(num_heads)),
                   "DI_P": max(16, triton.next_power_of_2(head_size)), "TOPK_P": topk_p,
@@ -389,8 +388,9 @@ def compile_groups(everything: bool) -> dict:
     float8_e4m3fn cache (float16 compiles as bfloat16 does; ``everything`` adds its write and
     float32's); the indexer in bfloat16 (DeepSeek-V3.2: 64 heads of 128) at top 64, a group of its
     own ahead of the attention's so that only the newest arch builds it, and at DeepSeek-V3.2's top
-    2048 with ``everything`` only: ptxas takes minutes over that one's merge network (its figures,
-    254 registers on sm_90 and 225 on sm_80, no spills, are in the full report)."""
+    2048 with ``everything`` only: ptxas takes minutes over that one's merge network (measured once
+    with ``TORCH_KERNELS_COMPILE_ALL=1``: 254 registers on sm_90 and 225 on sm_80, no spills; the
+    committed report is the default one, without it)."""
     from . import dtype_name
 
     writes = _WRITE_CASES + ([(torch.float16, torch.float16), (torch.float32, torch.float32)] if everything else [])
