@@ -1,5 +1,7 @@
-"""Runs one bad-input table on one backend: ``python tests/bad_inputs.py TABLE BACKEND`` prints
-``[(case, exception type name, message), ...]`` as JSON.
+"""Runs one bad-input table on one backend: ``python tests/bad_inputs.py TABLE BACKEND [MODE]`` prints
+``[(case, exception type name, message), ...]`` as JSON. ``MODE``: the check mode (``full`` by
+default); in ``deferred`` mode an error the call does not raise itself is the one
+``torch_kernels.raise_deferred_errors()`` raises after it.
 
 The tables are the families' (``BAD_INPUTS`` in each module of ``tests/families``);
 ``tests/test_bad_inputs.py`` runs each on every backend in a process of its own, so that a crash
@@ -12,14 +14,20 @@ import json
 import sys
 
 import families
+import torch_kernels
 
 
-def run(table: str, backend: str) -> list[tuple[str, str, str]]:
-    """``(case, exception type name, message)`` of every row of ``table`` on ``backend``."""
+def run(table: str, backend: str, mode: str = "full") -> list[tuple[str, str, str]]:
+    """``(case, exception type name, message)`` of every row of ``table`` on ``backend``, checked in ``mode``."""
     results = []
     for row in families.bad_input_tables()[table]:
         try:
-            row.call(backend)
+            with torch_kernels.checks(mode):
+                try:
+                    row.call(backend)
+                finally:
+                    if mode == "deferred":
+                        torch_kernels.raise_deferred_errors()
         except Exception as e:  # noqa: BLE001 - recorded and judged by the test
             results.append((row.case, type(e).__name__, str(e)))
         else:
@@ -28,4 +36,4 @@ def run(table: str, backend: str) -> list[tuple[str, str, str]]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], sys.argv[2])))
+    print(json.dumps(run(*sys.argv[1:])))

@@ -209,3 +209,56 @@ def assert_compiles_for_tpu_generations(monkeypatch, module: str, names=()) -> N
         monkeypatch.setenv(name, value)
     out = run_isolated(_TPU_COMPILE_CHECK.format(module=module, generations=TPU_GENERATIONS, names=tuple(names)))
     assert out.count("compiled") == len(TPU_GENERATIONS), out
+
+
+# ---- host reads: what the deferred check mode must never do ----
+
+_PROJECT = tuple(str(pathlib.Path(__file__).resolve().parent.parent / p) + os.sep
+                 for p in ("torch_kernels", "triton_impl", "jax_impl", "oneapi_impl"))
+# Tensor methods and torch functions that bring tensor data to the host (on an accelerator, a
+# synchronisation): read when called, or, for __getitem__, with a boolean mask (a data-dependent shape)
+_READING_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu",
+                    "equal", "unique", "unique_consecutive", "masked_select", "nonzero_static")
+_READING_FUNCTIONS = ("equal", "nonzero", "unique", "unique_consecutive", "masked_select", "argwhere")
+
+
+class HostReads:
+    """Within ``with HostReads() as reads:``, every call that reads tensor data on the host made
+    directly from the project's own code (its four packages) is counted in ``reads`` by
+    ``file:line method``; reads made inside torch, triton or jax (a kernel launch) are not."""
+
+    def __init__(self):
+        self.reads: dict[str, int] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _count(self, name: str) -> None:
+        frame = sys._getframe(2)
+        if frame.f_code.co_filename.startswith(_PROJECT):
+            where = f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno} {name}"
+            self.reads[where] = self.reads.get(where, 0) + 1
+
+    def _wrap(self, owner, name: str, reads=lambda *args: True) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+
+        def counted(*args, **kwargs):
+            if reads(*args):
+                self._count(name)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        for name in _READING_METHODS:
+            self._wrap(torch.Tensor, name)
+        for name in _READING_FUNCTIONS:
+            self._wrap(torch, name)
+        self._wrap(torch.Tensor, "__getitem__",
+                   lambda t, index, *rest: any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                               for i in (index if isinstance(index, tuple) else (index,))))
+        self._wrap(torch, "repeat_interleave", lambda *args: len(args) > 1 and isinstance(args[1], torch.Tensor))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,10 +34,10 @@ TABLES = families.bad_input_tables()
 ACCEPT = os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")
 
 
-def _in_subprocess(table: str, backend: str) -> list[list[str]]:
+def _in_subprocess(table: str, backend: str, mode: str = "full") -> list[list[str]]:
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     try:
-        done = subprocess.run([sys.executable, str(TESTS / "bad_inputs.py"), table, backend], capture_output=True,
+        done = subprocess.run([sys.executable, str(TESTS / "bad_inputs.py"), table, backend, mode], capture_output=True,
                               text=True, cwd=TESTS.parent, env={**os.environ, "PYTHONPATH": path},
                               timeout=TIME_LIMIT_S)
     except subprocess.TimeoutExpired:
@@ -93,3 +94,25 @@ def test_table_on_backend(table, backend):
 def test_pinned_messages(table):
     """The reference's messages, word for word, as ``messages/<table>.txt`` pins them."""
     check_pinned_messages(table)
+
+
+DEFERRED = re.compile(r" \(found by a deferred check\)( \(and \d+ other failed checks?\))?$")
+
+
+# triton: the accelerator's default; the reference: the fallback everywhere
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("table", TABLES)
+def test_table_in_deferred_mode(table, backend):
+    """In the deferred check mode every row still fails with its full-mode error: a shape, dtype
+    or device error at the call, a value error from ``raise_deferred_errors()`` after it, naming the
+    same argument with the full mode's message less the offending value."""
+    require_backend(backend)
+    full = {case: (error, message) for case, error, message in bad_inputs.run(table, "reference")}
+    wrong = []
+    for case, error, message in _in_subprocess(table, backend, "deferred"):
+        want_error, want = full[case]
+        deferred = DEFERRED.search(message)
+        prefix = message[:deferred.start()] if deferred else message
+        if error != want_error or not (want == message or (deferred and want.startswith(prefix) and prefix)):
+            wrong.append(f"{case}: expected {want_error}: {want}, got {error}: {message}")
+    assert not wrong, "\n".join(wrong)

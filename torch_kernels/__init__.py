@@ -12,6 +12,7 @@ come from the op families: each module of ``torch_kernels.ops`` lists its public
 
 from . import backends, families
 from .backends import available_backends, unavailable_reasons, use_backend
+from ._checks import checks, raise_deferred_errors
 from . import ood
 from . import profiling
 from .profiling import calibrate_device, profile
@@ -55,6 +56,8 @@ __all__ = [
     "available_backends",
     "unavailable_reasons",
     "use_backend",
+    "checks",
+    "raise_deferred_errors",
     *_family_exports,
     "ood",
     "profile",

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+import threading
+from typing import Callable
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -33,15 +39,184 @@ def size(name: str, dim: int, got: int, expected: int, what: str) -> None:
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
-def int32_values(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | None" = None) -> torch.Tensor | None:
     """``value`` (ids, lengths, rows) as a contiguous int32 tensor for a kernel. An int64 value
     outside int32's range is a ``ValueError`` naming ``name``: the cast would wrap it into another,
-    valid-looking value (a padding row into row 0). Reads the values back only for int64 input."""
+    valid-looking value (a padding row into row 0). With ``checks`` the test is one of the call's
+    value checks (deferred: recorded, and the value saturated so the op's own range checks see it
+    out of range); without, it reads the values back at once. Only int64 input is tested."""
     if value is None:
         return None
     if value.dtype == torch.int64 and value.numel():
-        low, high = torch.aminmax(value)
-        if low.item() < INT32_MIN or high.item() > INT32_MAX:
-            raise ValueError(f"{name}: expected values in int32's range [{INT32_MIN}, {INT32_MAX}], "
-                             f"got {low.item()} .. {high.item()}")
+        message = f"{name}: expected values in int32's range [{INT32_MIN}, {INT32_MAX}]"
+        if checks is not None:
+            checks.add((value < INT32_MIN) | (value > INT32_MAX), message,
+                       lambda: f"got {int(value.min())} .. {int(value.max())}")
+            value = value.clamp(INT32_MIN, INT32_MAX)
+        else:
+            low, high = torch.aminmax(value)
+            if low.item() < INT32_MIN or high.item() > INT32_MAX:
+                raise ValueError(f"{message}, got {low.item()} .. {high.item()}")
     return value.to(torch.int32).contiguous()
+
+# ---- value checks: "full" (raise now) or "deferred" (recorded on the device) ----
+
+CHECKS_ENV_VAR = "TORCH_KERNELS_CHECKS"
+MODES = ("full", "deferred")
+_mode_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("torch_kernels_checks", default=None)
+
+
+def _parse_mode(mode, what: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"{what}: expected one of {MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def checks(mode: str):
+    """Within this block every op call checks its inputs' values in ``mode``:
+
+    - ``"full"``: before any kernel runs, reading the index tensors on the host (one read per
+      call; on an accelerator a host-device synchronisation), and a bad value raises at once a
+      ``ValueError`` that names the argument and the offending value;
+    - ``"deferred"``: no tensor data is read on the host, whatever the device. The checks run on
+      the device and record what fails in a small persistent error word; the kernels get inputs
+      made safe (a bad slot is skipped, a sequence with a bad page id or length attends to
+      nothing), and the output rows such an entry touches are NaN. Nothing is read or written out
+      of bounds. :func:`raise_deferred_errors` reads the word (one read) and raises the
+      ``ValueError`` the full mode would have raised, without the value.
+
+    Without a block: ``TORCH_KERNELS_CHECKS`` (``full`` or ``deferred``) if set, else ``full`` for
+    CPU tensors and ``deferred`` on accelerators. Shapes, dtypes, devices and strides are checked
+    on the host in both modes (they cost no read).
+    """
+    token = _mode_override.set(_parse_mode(mode, "checks"))
+    try:
+        yield
+    finally:
+        _mode_override.reset(token)
+
+
+def mode_for(device: torch.device) -> str:
+    """The check mode of a call on ``device``: the innermost :func:`checks` block, the environment
+    variable, or the device's default."""
+    mode = _mode_override.get()
+    if mode is None:
+        mode = os.environ.get(CHECKS_ENV_VAR)
+        if not mode:
+            return "full" if device.type == "cpu" else "deferred"
+        _parse_mode(mode, CHECKS_ENV_VAR)
+    return mode
+
+
+# The error word: per device, one int32 count per distinct failure message. A message is numbered
+# the first time it is recorded; past the word's capacity failures share the last entry.
+_WORD_SIZE = 1024
+_OVERFLOW = ("a deferred input check failed (more distinct failures than the error word holds; "
+             f"rerun with {CHECKS_ENV_VAR}=full to see which)")
+_messages: list[str] = []
+_codes: dict[str, int] = {}
+_words: dict[torch.device, torch.Tensor] = {}
+_indices: dict[tuple, torch.Tensor] = {}  # (device, codes) -> the codes on that device
+_word_lock = threading.Lock()
+
+
+def _code(message: str) -> int:
+    code = _codes.get(message)
+    if code is None:
+        with _word_lock:
+            code = _codes.get(message)
+            if code is None:
+                if len(_messages) >= _WORD_SIZE - 1:
+                    return _WORD_SIZE - 1
+                code = _codes[message] = len(_messages)
+                _messages.append(message)
+    return code
+
+
+def error_word(device: torch.device) -> torch.Tensor:
+    """``device``'s error word (int32 ``[1024]``), made on first use and kept: a CUDA graph that
+    captured a deferred check writes into this same tensor on replay."""
+    word = _words.get(device)
+    if word is None:
+        with _word_lock:
+            word = _words.get(device)
+            if word is None:
+                word = _words[device] = torch.zeros(_WORD_SIZE, dtype=torch.int32, device=device)
+    return word
+
+
+def _codes_on(device: torch.device, codes: tuple[int, ...]) -> torch.Tensor:
+    key = (device, codes)
+    index = _indices.get(key)
+    if index is None:
+        if len(_indices) > 4096:  # bounded: distinct messages per shape could grow without end
+            _indices.clear()
+        index = _indices[key] = torch.tensor(codes, dtype=torch.int64, device=device)
+    return index
+
+
+class ValueChecks:
+    """The value checks of one op call, in the call's mode (:func:`checks`).
+
+    Each :meth:`add` gives a boolean tensor that is True where an entry is bad (any shape; on the
+    call's device), the error message's fixed part (the argument's name first, then what was
+    expected) and, for the full mode, a function that says what came. :meth:`finish` then raises
+    the first failure (full: one host read for all the checks) or records them in the device's
+    error word (deferred: no host read). In deferred mode the op makes bad entries safe itself,
+    from the same masks (``self.deferred``). ``mode``: this call's, overriding :func:`mode_for`."""
+
+    __slots__ = ("device", "deferred", "_flags", "_messages", "_details")
+
+    def __init__(self, device: torch.device, mode: str | None = None):
+        self.device = device
+        self.deferred = (mode or mode_for(device)) == "deferred"
+        self._flags: list[torch.Tensor] = []
+        self._messages: list[str] = []
+        self._details: list = []
+
+    def add(self, bad: torch.Tensor, message: str, detail: Callable[[], str] | None = None) -> torch.Tensor:
+        """Record one check; returns ``bad`` reduced to one flag (True: it failed)."""
+        flag = bad if bad.dim() == 0 else bad.any()
+        self._flags.append(flag)
+        self._messages.append(message)
+        self._details.append(detail)
+        return flag
+
+    def finish(self) -> None:
+        if not self._flags:
+            return
+        flags = torch.stack(self._flags)
+        if self.deferred:
+            codes = tuple(_code(m) for m in self._messages)
+            error_word(self.device).index_put_((_codes_on(self.device, codes),), flags.to(torch.int32), accumulate=True)
+            return
+        for failed, message, detail in zip(flags.tolist(), self._messages, self._details):  # the one read
+            if failed:
+                raise ValueError(message if detail is None else f"{message}, {detail()}")
+
+
+def raise_deferred_errors(device: torch.device | str | None = None) -> None:
+    """Raise the first input error the deferred checks recorded since the last call, and clear them.
+
+    Reads each device's error word once (on an accelerator, one synchronisation: call it where the
+    loop syncs anyway, as the serving ``Engine`` does after each step). The ``ValueError`` names the
+    argument and what was expected, as the full mode's does, and says how many more checks failed.
+    ``device``: only that device's word; by default every device's.
+    """
+    if device is not None:
+        device = torch.device(device)
+    failures: list[tuple[int, int]] = []
+    for word_device, word in list(_words.items()):
+        if device is not None and word_device != device:
+            continue
+        counts = word.tolist()
+        if any(counts):
+            word.zero_()
+            failures += [(code, count) for code, count in enumerate(counts) if count]
+    if failures:
+        code = min(failures)[0]
+        message = _messages[code] if code < len(_messages) else _OVERFLOW
+        others = len(failures) - 1
+        more = f" (and {others} other failed check{'s' if others > 1 else ''})" if others else ""
+        raise ValueError(f"{message} (found by a deferred check){more}")

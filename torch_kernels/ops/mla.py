@@ -105,26 +105,29 @@ def check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_sca
                            if t is not None})
 
 
-def check_topk(topk_indices, cu_q_lens, kv_lens) -> None:
-    """Each index is -1 (none) or a position of its token's sequence, in ``[0, kv_len)``."""
-    num_tokens = topk_indices.shape[0]
-    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens, output_size=num_tokens)
-    limit = kv_lens.long()[seq][:, None]
+def check_topk(topk_indices, cu_q_lens, kv_lens, checks: _checks.ValueChecks) -> torch.Tensor:
+    """Each index is -1 (none) or a position of its token's sequence, in ``[0, kv_len)``; in
+    deferred mode a bad one becomes -1."""
+    num_tokens, num_seqs = topk_indices.shape[0], kv_lens.shape[0]
+    if num_seqs:
+        rows = torch.arange(num_tokens, device=cu_q_lens.device, dtype=cu_q_lens.dtype)
+        seq = torch.searchsorted(cu_q_lens[1:], rows, right=True).clamp(max=num_seqs - 1)
+        limit = kv_lens.long()[seq][:, None]
+    else:  # no sequence: no position is anyone's (the lengths' check reports the rows)
+        limit = torch.zeros(num_tokens, 1, dtype=torch.long, device=kv_lens.device)
     bad = (topk_indices < -1) | (topk_indices >= limit)
-    if bool(bad.any()):
+
+    def detail() -> str:
         token, column = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"topk_indices: expected -1 or a position in [0, kv_len) of the token's sequence, got "
-                         f"{int(topk_indices[token, column])} at [{token}, {column}] (kv_len {int(limit[token, 0])})")
+        return f"got {int(topk_indices[token, column])} at [{token}, {column}] (kv_len {int(limit[token, 0])})"
+
+    checks.add(bad, "topk_indices: expected -1 or a position in [0, kv_len) of the token's sequence", detail)
+    return torch.where(bad, -1, topk_indices) if checks.deferred else topk_indices
 
 
 def _scale(scale, device) -> torch.Tensor:
     """The kernels' form of a scale: float32 ``[1]`` (one for None)."""
     return torch.ones(1, device=device) if scale is None else scale.reshape(1).contiguous()
-
-
-def _check_scale_values(**scales) -> None:
-    paged.raise_first([(bool(bad), message) for bad, message in paged.scale_checks(**scales)])
 
 
 def deduplicated(topk_indices: torch.Tensor) -> torch.Tensor:
@@ -142,8 +145,10 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
     check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
-    paged.check_slots(slot_mapping, kv_cache)
-    _check_scale_values(scale=scale)
+    checks = _checks.ValueChecks(kv_c.device)
+    slot_mapping = paged.check_slots(slot_mapping, kv_cache, checks)
+    scale = paged.scale_checks(checks, scale=scale)["scale"]
+    checks.finish()
     backends.dispatch(WRITE_OP, _device_type(kv_c), implementation, kv_c.contiguous(), k_pe.contiguous(), kv_cache,
                       slot_mapping.to(torch.int64).contiguous(), _scale(scale, kv_c.device))
 
@@ -163,14 +168,20 @@ mla_reshape_and_cache_op = define(
 def _attention_kernel(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
                       kv_scale=None, implementation=None):
     check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, kv_scale)
-    paged.check_lengths(q_nope, kv_cache, cu_q_lens, kv_lens, block_table)
-    _check_scale_values(kv_scale=kv_scale)
+    checks = _checks.ValueChecks(q_nope.device)
+    given = cu_q_lens, kv_lens  # the indices are checked against these: made safe, they could hide a bad index
+    cu_q_lens, kv_lens, block_table, bad_rows = paged.check_lengths(q_nope, kv_cache, cu_q_lens, kv_lens,
+                                                                    block_table, checks)
     if topk_indices is not None:
-        check_topk(topk_indices, cu_q_lens, kv_lens)
+        topk_indices = check_topk(topk_indices, *given, checks)
+    kv_scale = paged.scale_checks(checks, kv_scale=kv_scale)["kv_scale"]
+    checks.finish()
+    if topk_indices is not None:
         topk_indices = deduplicated(topk_indices)
-    return backends.dispatch(OP, _device_type(q_nope), implementation, q_nope.contiguous(), q_pe.contiguous(),
-                             kv_cache, cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(),
-                             float(sm_scale), topk_indices, _scale(kv_scale, q_nope.device))
+    out, lse = backends.dispatch(OP, _device_type(q_nope), implementation, q_nope.contiguous(), q_pe.contiguous(),
+                                 kv_cache, cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(),
+                                 float(sm_scale), topk_indices, _scale(kv_scale, q_nope.device))
+    return paged.nan_rows(out, bad_rows), paged.nan_rows(lse, bad_rows)
 
 
 def _attention_fake(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
@@ -215,9 +226,14 @@ def check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, t
 
 def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
     check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
-    paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table)
-    return backends.dispatch(INDEXER_OP, _device_type(q), implementation, q.contiguous(), k_cache, weights.contiguous(),
-                             cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), top_k)
+    checks = _checks.ValueChecks(q.device)
+    cu_q_lens, kv_lens, block_table, bad_rows = paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table,
+                                                                    checks)
+    checks.finish()
+    indices = backends.dispatch(INDEXER_OP, _device_type(q), implementation, q.contiguous(), k_cache,
+                                weights.contiguous(), cu_q_lens.contiguous(), kv_lens.contiguous(),
+                                block_table.contiguous(), top_k)
+    return paged.nan_rows(indices, bad_rows)
 
 
 def _indexer_fake(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):

@@ -166,42 +166,19 @@ def check_scalars(sm_scale, sliding_window=None, soft_cap=None) -> None:
                          f"got {soft_cap!r}")
 
 
-def scale_checks(**scales) -> list[tuple[torch.Tensor, Callable[[], str]]]:
-    """(whether some entry is not a finite number > 0, its error message) for each given scale;
-    read with the op's one host sync for its index checks."""
-    checks = []
+def scale_checks(checks: _checks.ValueChecks, **scales) -> dict[str, torch.Tensor | None]:
+    """Each given scale finite and > 0 (a cache entry means entry * scale); returns the scales, in
+    deferred mode with a bad entry made NaN (so the rows it touches follow the NaN policy)."""
+    safe = {}
     for name, scale in scales.items():
         if scale is not None:
             bad = ~(torch.isfinite(scale) & (scale > 0))
-            checks.append((bad.any(), lambda name=name, scale=scale, bad=bad: (
-                f"{name}: expected finite scales > 0 (a cache entry means entry * scale), "
-                f"got {scale.reshape(-1)[bad.reshape(-1)][0].item()}")))
-    return checks
-
-
-def raise_first(failures) -> None:
-    for failed, message in failures:
-        if failed:
-            raise ValueError(message())
-
-
-def check_slots(slot_mapping, key_cache, k_scale=None, v_scale=None) -> None:
-    """Every slot is -1 (padding) or inside the cache, no two tokens share one, and the scales
-    are finite and positive."""
-    capacity = key_cache.shape[0] * key_cache.shape[1]
-    slots = slot_mapping[slot_mapping >= 0]
-    ordered = slots.sort().values
-    out_of_range = ((slot_mapping < -1) | (slot_mapping >= capacity)).any()
-    shared = (ordered[1:] == ordered[:-1]).any()
-    scales = scale_checks(k_scale=k_scale, v_scale=v_scale)
-    flags = torch.stack([out_of_range, shared, *(bad for bad, _ in scales)]).tolist()  # one device sync
-    raise_first([
-        (flags[0], lambda: "slot_mapping: expected -1 (padding) or a slot in [0, "
-                           f"{capacity}) (num_blocks * block_size), got {_first_bad(slot_mapping, (slot_mapping < -1) | (slot_mapping >= capacity))}"),
-        (flags[1], lambda: "slot_mapping: expected each slot at most once, got slot "
-                           f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice"),
-        *((flag, message) for flag, (_, message) in zip(flags[2:], scales)),
-    ])
+            checks.add(bad, f"{name}: expected finite scales > 0 (a cache entry means entry * scale)",
+                       lambda scale=scale, bad=bad: f"got {scale.reshape(-1)[bad.reshape(-1)][0].item()}")
+            if checks.deferred:
+                scale = torch.where(bad, torch.nan, scale)
+        safe[name] = scale
+    return safe
 
 
 def _first_bad(values, bad) -> str:
@@ -209,70 +186,127 @@ def _first_bad(values, bad) -> str:
     return f"{int(values[index])} at index {index}"
 
 
-def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale=None, v_scale=None) -> None:
-    """Lengths add up, every query row has its key, every page read is inside the cache, and the
-    scales are finite and positive."""
+def check_slots(slot_mapping, key_cache, checks: _checks.ValueChecks | None = None) -> torch.Tensor:
+    """Every slot is -1 (padding) or inside the cache, and no two tokens share one. Returns the
+    slots to write: in deferred mode an out-of-range slot becomes -1 (skipped). Without
+    ``checks``, checks fully now."""
+    own = checks is None
+    checks = checks or _checks.ValueChecks(slot_mapping.device, "full")
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    out_of_range = (slot_mapping < -1) | (slot_mapping >= capacity)
+    ordered = torch.where(slot_mapping >= 0, slot_mapping, -1).sort().values
+    shared = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    checks.add(out_of_range, f"slot_mapping: expected -1 (padding) or a slot in [0, {capacity}) (num_blocks * block_size)",
+               lambda: f"got {_first_bad(slot_mapping, out_of_range)}")
+    checks.add(shared, "slot_mapping: expected each slot at most once",  # a duplicate stays in bounds: not made safe
+               lambda: f"got slot {int(ordered[1:][shared][0])} twice")
+    if own:
+        checks.finish()
+    if checks.deferred:
+        return torch.where(out_of_range, -1, slot_mapping)
+    return slot_mapping
+
+
+def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
+                  checks: _checks.ValueChecks | None = None) -> tuple[torch.Tensor, ...]:
+    """Lengths add up, every query row has its key, and every page read is inside the cache.
+
+    Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` for the kernels: as given in full mode
+    (``bad_rows`` None); in deferred mode made safe: a sequence with a bad length or page id attends
+    to its own new rows over page 0 (the block table widened if its rows could not hold them), and
+    ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN. Without ``checks``, checks
+    fully now."""
+    own = checks is None
+    checks = checks or _checks.ValueChecks(cu_q_lens.device, "full")
     num_tokens = query.shape[0]
     num_blocks, block_size = key_cache.shape[:2]
     num_seqs, max_blocks = block_table.shape
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pages = (kv_lens.long() + block_size - 1) // block_size
     used = torch.arange(max_blocks, device=block_table.device) < pages[:, None]
-    bad_block = used & ((block_table < 0) | (block_table >= num_blocks))
-    tests = [
-        cu_q_lens[0] != 0,
-        (q_lens < 0).any(),
-        cu_q_lens[-1] != num_tokens,
-        (kv_lens < 0).any(),
-        (q_lens > kv_lens).any(),
-        (pages > max_blocks).any(),
-        bad_block.any(),
-    ]
-    scales = scale_checks(k_scale=k_scale, v_scale=v_scale)
-    flags = torch.stack(tests + [bad for bad, _ in scales]).tolist()  # one device sync for every test
-    raise_first([
-        (flags[0], lambda: f"cu_q_lens: expected to start at 0, got {int(cu_q_lens[0])}"),
-        (flags[1], lambda: f"cu_q_lens: expected non-decreasing offsets, got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}"),
-        (flags[2], lambda: f"cu_q_lens: expected to end at the number of query tokens {num_tokens}, got {int(cu_q_lens[-1])}"),
-        (flags[3], lambda: f"kv_lens: expected lengths >= 0, got {_first_bad(kv_lens, kv_lens < 0)}"),
-        (flags[4], lambda: "kv_lens: expected each sequence's kv length to count its new query tokens too, "
-                           f"got kv length {_first_bad(kv_lens, q_lens > kv_lens)} below its query length "
-                           f"{int(q_lens[(q_lens > kv_lens).nonzero()[0, 0]])}"),
-        (flags[5], lambda: f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's {max_blocks} "
-                           f"pages of {block_size}), got {_first_bad(kv_lens, pages > max_blocks)}"),
-        (flags[6], lambda: f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses, "
-                           f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}"),
-        *((flag, message) for flag, (_, message) in zip(flags[len(tests):], scales)),
-    ])
+    bad_entry = (block_table < 0) | (block_table >= num_blocks)
+    bad_block = used & bad_entry
+    checks.add(cu_q_lens[0] != 0, "cu_q_lens: expected to start at 0", lambda: f"got {int(cu_q_lens[0])}")
+    checks.add(q_lens < 0, "cu_q_lens: expected non-decreasing offsets",
+               lambda: f"got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}")
+    checks.add(cu_q_lens[-1] != num_tokens, f"cu_q_lens: expected to end at the number of query tokens {num_tokens}",
+               lambda: f"got {int(cu_q_lens[-1])}")
+    checks.add(kv_lens < 0, "kv_lens: expected lengths >= 0", lambda: f"got {_first_bad(kv_lens, kv_lens < 0)}")
+    checks.add(q_lens > kv_lens, "kv_lens: expected each sequence's kv length to count its new query tokens too",
+               lambda: f"got kv length {_first_bad(kv_lens, q_lens > kv_lens)} below its query length "
+                       f"{int(q_lens[(q_lens > kv_lens).nonzero()[0, 0]])}")
+    checks.add(pages > max_blocks, f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's "
+                                   f"{max_blocks} pages of {block_size})",
+               lambda: f"got {_first_bad(kv_lens, pages > max_blocks)}")
+    checks.add(bad_block, f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses",
+               lambda: f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}")
+    if own:
+        checks.finish()
+    if not checks.deferred:
+        return cu_q_lens, kv_lens, block_table, None
+    # any bad offset makes every sequence bad: their rows cannot be told apart
+    offsets_bad = (cu_q_lens[0] != 0) | (cu_q_lens[-1] != num_tokens) | (q_lens < 0).any()
+    safe_cu = cu_q_lens.clamp(0, num_tokens).cummax(0).values
+    safe_cu[0] = 0
+    safe_cu[-1] = num_tokens
+    safe_q = safe_cu[1:] - safe_cu[:-1]
+    seq_bad = offsets_bad | (kv_lens < 0) | (q_lens > kv_lens) | (pages > max_blocks) | bad_block.any(1)
+    safe_kv = torch.where(seq_bad, safe_q, kv_lens)
+    safe_table = torch.where(seq_bad[:, None] | bad_entry, 0, block_table)
+    width = max(max_blocks, -(-num_tokens // block_size))  # pages enough for a bad sequence's own rows
+    if width > max_blocks:
+        safe_table = torch.nn.functional.pad(safe_table, (0, width - max_blocks))
+    rows = torch.arange(num_tokens, device=cu_q_lens.device, dtype=safe_cu.dtype)
+    seq = torch.searchsorted(safe_cu[1:], rows, right=True)
+    if num_seqs == 0:
+        bad_rows = torch.ones(num_tokens, dtype=torch.bool, device=cu_q_lens.device)
+    else:
+        bad_rows = (seq >= num_seqs) | seq_bad[seq.clamp(max=num_seqs - 1)]
+    return safe_cu, safe_kv.to(kv_lens.dtype), safe_table, bad_rows
 
 
-# checks skipped, but for the scales, for a batch equal to the last that passed (a model's layers
-# repeat one batch description per step); on the CPU, where reading tensors on the host is free
+def nan_rows(out: torch.Tensor, bad_rows: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with the rows ``bad_rows`` marks (deferred checks' safe inputs) set to NaN, or to -1
+    in an index output, in place."""
+    if bad_rows is not None:
+        out.masked_fill_(bad_rows.reshape(-1, *([1] * (out.dim() - 1))), torch.nan if out.is_floating_point() else -1)
+    return out
+
+
+# full-mode checks skipped for a batch equal to the last that passed (a model's layers repeat one
+# batch description per step); on the CPU, where reading tensors on the host is free
 _lengths_passed, _slots_passed = LastBatch(), LastBatch()
 
 
-def _check_once(passed: LastBatch, check: Callable[[], None], scalars: tuple, tensors: tuple,
-                k_scale=None, v_scale=None) -> None:
-    """``check()``, which reads only ``tensors``, ``scalars`` and the scales; skipped, but for the
-    scales, when ``tensors`` and ``scalars`` equal the last ones that passed it (on the CPU)."""
-    on_cpu = tensors[0].is_cpu
-    if on_cpu and passed.get(scalars, *tensors):
-        raise_first([(bool(bad), message) for bad, message in scale_checks(k_scale=k_scale, v_scale=v_scale)])
-        return
-    check()
-    if on_cpu:
-        passed.put(True, scalars, *tensors)
+def _memo_key_lengths(query, key_cache, cu_q_lens, kv_lens, block_table):
+    return (query.shape[0], *key_cache.shape[:2]), (cu_q_lens, kv_lens, block_table)
 
 
-def _check_lengths_once(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale) -> None:
-    _check_once(_lengths_passed,
-                lambda: check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale),
-                (query.shape[0], *key_cache.shape[:2]), (cu_q_lens, kv_lens, block_table), k_scale, v_scale)
+def _checked_lengths(checks, query, key_cache, cu_q_lens, kv_lens, block_table):
+    """check_lengths, skipped in full mode on the CPU for the batch that passed last."""
+    memo = not checks.deferred and cu_q_lens.is_cpu
+    if memo:
+        scalars, tensors = _memo_key_lengths(query, key_cache, cu_q_lens, kv_lens, block_table)
+        if _lengths_passed.get(scalars, *tensors):
+            return cu_q_lens, kv_lens, block_table, None
+    checked = check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, checks)
+    if memo:
+        checks.finish()  # raises now if it fails, so only a batch that passed is remembered
+        _lengths_passed.put(True, scalars, *tensors)
+    return checked
 
 
-def _check_slots_once(slot_mapping, key_cache, k_scale=None, v_scale=None) -> None:
-    _check_once(_slots_passed, lambda: check_slots(slot_mapping, key_cache, k_scale, v_scale),
-                (key_cache.shape[0] * key_cache.shape[1],), (slot_mapping,), k_scale, v_scale)
+def _checked_slots(checks, slot_mapping, key_cache):
+    """check_slots, skipped in full mode on the CPU for the slots that passed last."""
+    memo = not checks.deferred and slot_mapping.is_cpu
+    scalars = (key_cache.shape[0] * key_cache.shape[1],)
+    if memo and _slots_passed.get(scalars, slot_mapping):
+        return slot_mapping
+    slots = check_slots(slot_mapping, key_cache, checks)
+    if memo:
+        checks.finish()
+        _slots_passed.put(True, scalars, slot_mapping)
+    return slots
 
 
 _ones: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -294,11 +328,14 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    _check_slots_once(slot_mapping, key_cache, k_scale, v_scale)
+    checks = _checks.ValueChecks(key.device)
+    slot_mapping = _checked_slots(checks, slot_mapping, key_cache)
+    scales = scale_checks(checks, k_scale=k_scale, v_scale=v_scale)
+    checks.finish()
     heads, device = key_cache.shape[2], key.device
     backends.dispatch(WRITE_OP, _device_type(key), implementation, key.contiguous(), value.contiguous(),
                       key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
-                      _scales(k_scale, heads, device), _scales(v_scale, heads, device))
+                      _scales(scales["k_scale"], heads, device), _scales(scales["v_scale"], heads, device))
 
 
 def _write_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
@@ -318,19 +355,30 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
                       slot_mapping=None, implementation=None):
     check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                  soft_cap, k_scale, v_scale, key, value, slot_mapping)
-    _check_lengths_once(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
+    checks = _checks.ValueChecks(query.device)
+    cu_q_lens, kv_lens, block_table, bad_rows = _checked_lengths(checks, query, key_cache, cu_q_lens, kv_lens,
+                                                                 block_table)
     if key is not None:
-        _check_slots_once(slot_mapping, key_cache)
-        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
+        slot_mapping = _checked_slots(checks, slot_mapping, key_cache)
+    scales = scale_checks(checks, k_scale=k_scale, v_scale=v_scale)
+    checks.finish()
     heads, device = key_cache.shape[2], query.device
-    return backends.dispatch(
-        OP, _device_type(query), implementation, query.contiguous(), key_cache, value_cache,
+    k_scale, v_scale = _scales(scales["k_scale"], heads, device), _scales(scales["v_scale"], heads, device)
+    kind = _device_type(query)
+    if key is not None:
+        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
+        if checks.deferred:  # written first: deciding whether the attention may write it reads the block table
+            backends.dispatch(WRITE_OP, kind, implementation, key, value, key_cache, value_cache, slot_mapping,
+                              k_scale, v_scale)
+            key = value = slot_mapping = None
+    out = backends.dispatch(
+        OP, kind, implementation, query.contiguous(), key_cache, value_cache,
         # a window past every int32 length is no window; kernels index positions in int32
         cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale),
         None if sliding_window is None or sliding_window >= 2**31 - 1 else sliding_window,
-        None if soft_cap is None else float(soft_cap), _scales(k_scale, heads, device), _scales(v_scale, heads, device),
-        key, value, slot_mapping,
+        None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value, slot_mapping,
     )
+    return nan_rows(out, bad_rows)
 
 
 def _attention_fake(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .paged_attention import check_cache_dtype, pallas_reshape_and_cache
 from .torch_tensors import check_cpu, to_jax, to_torch
 
@@ -60,8 +61,10 @@ def torchax_implementations() -> dict:
 
     def mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
         op.check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
-        paged.check_slots(slot_mapping, kv_cache)
-        paged.raise_first([(bool(bad), message) for bad, message in paged.scale_checks(scale=scale)])
+        checks = _checks.ValueChecks(slot_mapping.device, "full")  # torchax: read on the host, as JAX's own checks are
+        paged.check_slots(slot_mapping, kv_cache, checks)
+        paged.scale_checks(checks, scale=scale)
+        checks.finish()
         write = first_backend(implementation, writes)
         c, pe, cache, slots, scale = jax_view((kv_c, k_pe, kv_cache, slot_mapping, scale))
         rows = jnp.concatenate([c, pe], axis=-1)[:, None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from ..ops import paged_attention as op
 from .torch_tensors import FLOAT8_JAX_NAMES, check_cpu, to_jax, to_torch
 from .torchax_tensors import first_backend
@@ -79,7 +80,10 @@ def torchax_implementations() -> dict:
     def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
                           implementation=None):
         op.check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-        op.check_slots(slot_mapping, key_cache, k_scale, v_scale)
+        checks = _checks.ValueChecks(slot_mapping.device, "full")  # torchax: read on the host
+        op.check_slots(slot_mapping, key_cache, checks)
+        op.scale_checks(checks, k_scale=k_scale, v_scale=v_scale)
+        checks.finish()
         write = first_backend(implementation, writes)
         key_cache._elem, value_cache._elem = write(
             *jax_view((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)))
@@ -89,9 +93,12 @@ def torchax_implementations() -> dict:
                                value=None, slot_mapping=None, implementation=None):
         op.check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                         soft_cap, k_scale, v_scale, key, value, slot_mapping)
-        op.check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale)
+        checks = _checks.ValueChecks(query.device, "full")  # torchax: read on the host
+        op.check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table, checks)
         if key is not None:
-            op.check_slots(slot_mapping, key_cache)
+            op.check_slots(slot_mapping, key_cache, checks)
+        op.scale_checks(checks, k_scale=k_scale, v_scale=v_scale)
+        checks.finish()
         attention = first_backend(implementation, attentions)
         out, new_k, new_v = attention(
             *jax_view((query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), float(sm_scale),
