@@ -119,6 +119,22 @@ def test_a_miss_without_search_takes_the_heuristic(make_tuner, tmp_path):
     assert not (tmp_path / "user").exists()
 
 
+def test_memory_stays_bounded_over_ever_new_sizes(make_tuner, monkeypatch):
+    """A server calls with ever new token counts: the tuner keeps at most MEMO_SIZE answers and
+    misses, and sizes of one bucket share the cached entry."""
+    monkeypatch.setattr(tuning, "MEMO_SIZE", 8)
+    timer = stub_timer({16: 3.0, 32: 2.0, 64: 9.0, 128: 9.0})
+    tuner = make_tuner(timer)
+    with pytest.warns(UserWarning, match="disagrees"), tuner():
+        Kernel()(torch.arange(100.0))  # the bucket of 65..128 elements: block 32
+    kernel = Kernel()
+    for n in range(1, 200):
+        kernel(torch.arange(float(n)))
+    assert len(tuner._memo) <= 8 and len(tuner._misses) <= 8
+    assert kernel.launched[64:128] == [Tile(32)] * 64  # n = 65..128: the searched bucket's entry
+    assert set(kernel.launched[:64] + kernel.launched[128:]) == {Tile(16)}
+
+
 def test_no_search_under_the_interpreter_unless_asked(make_tuner):
     timer = stub_timer({16: 2.0, 32: 1.0})
     kernel = Kernel()

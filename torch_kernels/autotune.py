@@ -3,7 +3,7 @@
 Every Triton launcher picks its config through ``triton_impl.autotune.choose``; importing
 ``torch_kernels`` installs :data:`autotune`, which answers each choice from, in order:
 
-1. memory (the answers this process already gave for these exact sizes);
+1. memory (the answers this process last gave for these exact sizes; at most ``MEMO_SIZE``);
 2. the user cache ``$TORCH_KERNELS_CACHE/autotune/<device>.json`` (default
    ``~/.cache/torch_kernels/autotune``), written by searches on this machine;
 3. the file shipped with the package for this device kind, ``torch_kernels/autotune_configs/<device>.json``;
@@ -18,7 +18,8 @@ launches a config the call could not take. A search times each candidate with
 shared memory) or whose output disagrees with the heuristic's, keeps the fastest, and writes the
 user cache atomically. A miss or a failed search never fails the call: it falls back to the
 heuristic. Searches never run on CPU tensors (the Triton interpreter), nor while a CUDA graph is
-being captured. ``TORCH_KERNELS_AUTOTUNE=0`` ignores every cache: heuristics only.
+being captured. ``TORCH_KERNELS_AUTOTUNE=0`` ignores every cache: heuristics only. Memory stays
+bounded while serving: answers and misses are remembered for at most ``MEMO_SIZE`` exact sizes each.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ._library import _tensors
 ENV_VAR = "TORCH_KERNELS_AUTOTUNE"
 FORMAT = 1
 SHIPPED = pathlib.Path(__file__).with_name("autotune_configs")
+MEMO_SIZE = 4096
 _hook = None  # triton_impl.autotune, where the tuner is installed (None without Triton)
 
 
@@ -95,6 +97,14 @@ def _agree(output, expected) -> bool:
     return True
 
 
+def _remember(answers: dict, exact: tuple, value) -> None:
+    """``answers[exact] = value``, the oldest answer dropped past ``MEMO_SIZE``: a server sees ever
+    new token and sequence counts, and the files' size buckets need no more."""
+    if len(answers) >= MEMO_SIZE:
+        answers.pop(next(iter(answers)), None)
+    answers[exact] = value
+
+
 class Autotune:
     """The tuner ``torch_kernels`` installs (as :data:`autotune`); the module docstring says what
     it does. ``autotune()`` is a context manager turning the search on for the calls inside."""
@@ -128,8 +138,8 @@ class Autotune:
     def clear(self) -> None:
         """Forget every answer and cache file read; the next call reads the files again."""
         with self._lock:
-            self._memo: dict = {}  # (kernel, device, key) -> config found in a cache or by a search
-            self._misses: set = set()  # (kernel, device, key) with no usable cache entry
+            self._memo: dict = {}  # (kernel, device, exact key) -> config, at most MEMO_SIZE, oldest first
+            self._misses: dict = {}  # (kernel, device, exact key) with no usable cache entry, at most MEMO_SIZE
             self._tables: dict[str, dict] = {}  # device -> entry -> record: shipped, then user cache
             self._found: dict[str, dict] = {}  # device -> entry -> record: this process's searches
 
@@ -172,21 +182,21 @@ class Autotune:
             record = self._table(name).get(entry)
             config = None if record is None else _match(record.get("config"), default, candidates)
             if config is not None:
-                self._memo[exact] = config
+                _remember(self._memo, exact, config)
                 return config
             if record is not None:
                 warnings.warn(f"autotune: the cached config of {entry} on {name} is not one of its candidates; "
                               "using the heuristic", stacklevel=2)
-            self._misses.add(exact)
+            _remember(self._misses, exact, True)
         if not self._may_search(device, mode):
             return default()
         name, entry = device_name(device), entry_key(kernel, key)
         config, record = self._search(kernel, entry, default, candidates, run)
         if record is None:  # nothing to keep: the heuristic, with no second search
-            self._memo[exact] = config
+            _remember(self._memo, exact, config)
             return config
         with self._lock:
-            self._memo[exact] = config
+            _remember(self._memo, exact, config)
             self._table(name)[entry] = record
             self._found.setdefault(name, {})[entry] = record
         try:
