@@ -10,9 +10,12 @@ logits up to 0.6), far above float32 rounding."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+import torch_kernels
 from torch_kernels import models
 from torch_kernels.serving import Engine, PagedDeepseekV3, PagedDeepseekV32, PagedLatentCache
 
@@ -278,3 +281,76 @@ def test_deepseek_v3_with_weights_that_cannot_be_absorbed_is_refused(tiny_deepse
     attn.kv_b_proj = torch.nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=True)
     with pytest.raises(TypeError, match="^model: its MLA weights cannot be absorbed: kv_b_proj is a Linear"):
         Engine(model, num_blocks=4, block_size=8)
+
+
+# ---- the hot path: deferred checks, vectorised metadata, captured decode steps ----
+
+CUDA_TEST = os.environ.get("TORCH_KERNELS_TEST_DEVICE") == "cuda"
+
+
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_v32"])
+def test_cuda_graph_path_equals_generate_uncaptured_on_cpu(architecture):
+    """``cuda_graphs=True`` on the CPU runs the captured path's code uncaptured: decode-only steps
+    as batches padded to a power of two from persistent buffers, the padding rows in reserved
+    blocks; in deferred check mode (no host read in the ops) the tokens equal ``generate``'s and
+    the reserved blocks are never handed out."""
+    if architecture == "llama":
+        model = tiny_llama()
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 9, 3)]
+        expected, new_tokens = [_generate(model, p, 7) for p in prompts], [7, 4, 6]
+        expected = [want[:n] for want, n in zip(expected, new_tokens)]
+        num_blocks, block_size = 16, 4
+    else:  # the indexer's keys are written by index_copy_: a padding row must have a slot of its own
+        model, prompts, expected = _tiny_deepseek("DeepseekV32Config", index_topk=8, index_head_dim=32,
+                                                  index_n_heads=4)
+        prompts, expected, new_tokens = prompts[:3], [want[:5] for want in expected[:3]], 5
+        num_blocks, block_size = 24, 8
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batched_tokens=16, max_seqs=4,
+                    implementation="reference", cuda_graphs=True)
+    with torch_kernels.checks("deferred"):
+        assert engine.generate(prompts, new_tokens) == expected
+    torch_kernels.raise_deferred_errors()
+    # three sequences decode as four rows (one padding), and as fewer once some finish
+    assert 4 in engine._decode_buffers and len(engine._decode_buffers) >= 2
+    assert sorted(engine.cache.free) == list(range(num_blocks)) and engine.cache.reserved == [num_blocks]
+
+
+def test_a_deferred_error_fails_the_step_at_its_read():
+    """In deferred mode a bad block id (here written into a running request's table row, as an
+    engine bug would) raises the ops' ValueError at the step's one read; its sequences are aborted
+    and the engine serves the next call."""
+    model = tiny_llama()
+    engine = Engine(model, num_blocks=16, block_size=4, max_batched_tokens=8, implementation="reference")
+    engine.add_request([1, 2, 3], 4)
+    with torch_kernels.checks("deferred"):
+        engine.step()
+        engine.block_table[engine.running[0].table_row, 0] = 1000
+        with pytest.raises(ValueError, match=r"^block_table: expected block ids in \[0, 16\) .*deferred check"):
+            engine.step()
+    assert not engine.running and sorted(engine.cache.free) == list(range(16))
+    assert engine.generate([[4, 5]], 3) == [_generate(model, [4, 5], 3)]
+
+
+@pytest.mark.skipif(not CUDA_TEST, reason="captures CUDA graphs: set TORCH_KERNELS_TEST_DEVICE=cuda on a GPU machine")
+def test_captured_decode_replays_as_eager_with_no_sync():
+    """On a GPU: the ops make no host sync in the captured steps' eager warm-up (sync debug mode
+    "error"), and the replayed graph gives the eager engine's tokens as lengths and block tables
+    change between replays."""
+    model = tiny_llama().cuda()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 9, 3, 12)]
+    eager = Engine(model, num_blocks=32, block_size=4, max_batched_tokens=16, max_seqs=4)
+    captured = Engine(model, num_blocks=32, block_size=4, max_batched_tokens=16, max_seqs=4, cuda_graphs=True)
+    run = captured._decode_forward
+
+    def no_sync(size):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(size)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    captured._decode_forward = no_sync
+    assert captured.generate(prompts, [9, 6, 12, 3]) == eager.generate(prompts, [9, 6, 12, 3])
+    assert captured._graphs, "no decode step was captured"

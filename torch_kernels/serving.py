@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import numbers
 import sys
 import time
@@ -50,10 +51,13 @@ __all__ = ["BlockPool", "PagedKVCache", "PagedLatentCache", "PagedRunner", "Page
 
 class BlockPool:
     """The cache's blocks of ``block_size`` tokens and their free list, shared by every layer; the
-    engine allocates and releases blocks here, a runner's cache class adds the tensors."""
+    engine allocates and releases blocks here, a runner's cache class adds the tensors. ``reserved``
+    more blocks (ids ``num_blocks ..``) exist in the tensors but are never handed out: the engine's
+    padding rows of a captured batch write and read there."""
 
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu", reserved: int = 0):
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
+        self.reserved = list(range(num_blocks, num_blocks + reserved))
         self.free = collections.deque(range(num_blocks))
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -72,9 +76,9 @@ class PagedKVCache(BlockPool):
     """Per layer a key and a value cache ``[num_blocks, block_size, Hkv, D]``, and a free-block list."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        super().__init__(num_blocks, block_size, device)
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", reserved: int = 0):
+        super().__init__(num_blocks, block_size, device, reserved)
+        shape = (num_blocks + reserved, block_size, num_kv_heads, head_size)
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -86,11 +90,12 @@ class PagedLatentCache(BlockPool):
     ``[num_blocks, block_size, index_width]`` in the same blocks."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_width: int = 0):
-        super().__init__(num_blocks, block_size, device)
-        self.latent = [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
-                       for _ in range(num_layers)]
-        self.index_keys = [torch.zeros(num_blocks, block_size, index_width, dtype=dtype, device=device)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_width: int = 0,
+                 reserved: int = 0):
+        super().__init__(num_blocks, block_size, device, reserved)
+        total = num_blocks + reserved
+        self.latent = [torch.zeros(total, block_size, width, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.index_keys = [torch.zeros(total, block_size, index_width, dtype=dtype, device=device)
                            for _ in range(num_layers if index_width else 0)]
 
 
@@ -116,7 +121,8 @@ class PagedRunner(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.model.layers)
 
-    def make_cache(self, num_blocks: int, block_size: int) -> BlockPool:
+    def make_cache(self, num_blocks: int, block_size: int, reserved: int = 0) -> BlockPool:
+        """The cache of ``num_blocks`` blocks to hand out and ``reserved`` more (see :class:`BlockPool`)."""
         raise NotImplementedError
 
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
@@ -176,10 +182,10 @@ class PagedLlama(PagedRunner):
         kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(inner.layers)
         self.windows = [window if kind == "sliding_attention" else None for kind in kinds]
 
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def make_cache(self, num_blocks: int, block_size: int, reserved: int = 0) -> PagedKVCache:
         weight = self.model.lm_head.weight
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
-                            self.head_size, weight.dtype, weight.device)
+                            self.head_size, weight.dtype, weight.device, reserved)
 
     def rope(self, hidden, positions):
         return tuple(x[0, :, None] for x in super().rope(hidden, positions))  # [T, 1, D]
@@ -220,11 +226,11 @@ class PagedDeepseekV3(PagedRunner):
             if why is not None:
                 raise TypeError(f"model: its MLA weights cannot be absorbed: {why} (layer {i})")
 
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedLatentCache:
+    def make_cache(self, num_blocks: int, block_size: int, reserved: int = 0) -> PagedLatentCache:
         attn, weight = self.model.model.layers[0].self_attn, self.model.lm_head.weight
         indexer = getattr(attn, "indexer", None)
         return PagedLatentCache(self.num_layers, num_blocks, block_size, attn.kv_lora_rank + attn.qk_rope_head_dim,
-                                weight.dtype, weight.device, 0 if indexer is None else indexer.head_dim)
+                                weight.dtype, weight.device, 0 if indexer is None else indexer.head_dim, reserved)
 
     def rotate(self, attn: nn.Module):
         """The RoPE function the layer applies to ``(q_pe, k_pe, cos, sin)``."""
@@ -284,6 +290,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # tokens whose keys and values are in the cache
+    table_row: int = -1  # its row of the engine's block table while it runs
     finished: bool = False
     refused: bool = False  # by the engine's OOD gate, after prefill and before any generated token
     ood_score: float | None = None  # the gate's score of the prompt
@@ -332,12 +339,24 @@ class Engine:
     ``fused_write=False`` writes the cache with ``reshape_and_cache`` before each attention call
     instead of inside it. ``ood_gate`` (a :class:`torch_kernels.ood.OODGate`) scores each prompt
     when its prefill ends and refuses those over its threshold (see :mod:`torch_kernels.ood.gate`).
+
+    Each step's metadata (positions, slots, lengths, the block table) is built on the cache's device
+    by a few vectorised ops from one small host copy per step (each sequence's table row, first
+    position and token count); the block table itself is a persistent tensor written when a request
+    is admitted. The ops' value checks run in the device's check mode (:func:`torch_kernels.checks`);
+    the step reads its sampled tokens once, and raises there what a deferred check recorded.
+
+    ``cuda_graphs=True``: a step in which every sequence decodes runs as a batch padded to a power of
+    two (at most ``max_seqs``) from persistent input buffers; on a CUDA device each batch size's
+    forward is captured once as a CUDA graph and replayed (needs the ops' deferred checks, the
+    default there), elsewhere the same code runs uncaptured. Padding rows write and read blocks
+    reserved for them alone.
     """
 
     def __init__(self, model: nn.Module, num_blocks: int = 256, block_size: int = 16, max_batched_tokens: int = 256,
                  max_seqs: int = 16, eos_token_id: int | Sequence[int] | None = None,
                  implementation: str | Sequence[str] | None = None,
-                 fused_write: bool = True, ood_gate: OODGate | None = None):
+                 fused_write: bool = True, ood_gate: OODGate | None = None, cuda_graphs: bool = False):
         for name, n in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("max_batched_tokens", max_batched_tokens), ("max_seqs", max_seqs)):
             _check_count(name, n)  # a zero budget would schedule nothing, forever
@@ -347,8 +366,21 @@ class Engine:
         self.ood_gate = ood_gate
         self._gate_layer = None if ood_gate is None else normalize_layers(ood_gate.layers, self.runner.num_layers)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.cache = self.runner.make_cache(num_blocks, block_size)
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool, got {type(cuda_graphs).__name__} {cuda_graphs!r}")
+        # padding rows of a captured decode batch (at most max_seqs - 1) each take a slot of their own
+        self.cache = self.runner.make_cache(num_blocks, block_size, -(-max_seqs // block_size) if cuda_graphs else 0)
         self.max_batched_tokens, self.max_seqs, self.fused_write = max_batched_tokens, max_seqs, fused_write
+        self.cuda_graphs = cuda_graphs
+        device = self.cache.device
+        # one row per running sequence, and a last row listing the reserved blocks (padding)
+        self.block_table = torch.zeros(max_seqs + 1, max(num_blocks, len(self.cache.reserved)), dtype=torch.int32,
+                                       device=device)
+        if self.cache.reserved:
+            self.block_table[max_seqs, :len(self.cache.reserved)] = torch.tensor(self.cache.reserved)
+        self._free_rows = list(range(max_seqs))
+        self._decode_buffers: dict[int, tuple] = {}  # batch size -> (token ids, rows and positions, logits)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or ())  # a config may list several
         self.waiting: collections.deque[Request] = collections.deque()
@@ -399,10 +431,16 @@ class Engine:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
-            self.running.remove(seq)
-            self.cache.release(seq.blocks)
+            self._retire(seq)
             seq.blocks = []
         seq.finished = True
+
+    def _retire(self, seq: Request) -> None:
+        """``seq`` leaves the running batch: its blocks and its block-table row are free again."""
+        self.running.remove(seq)
+        self.cache.release(seq.blocks)
+        self._free_rows.append(seq.table_row)
+        seq.table_row = -1
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_seqs:
@@ -411,6 +449,8 @@ class Engine:
                 break  # first come, first served: later requests wait too
             seq = self.waiting.popleft()
             seq.blocks = self.cache.allocate(needed)
+            seq.table_row = self._free_rows.pop()
+            self.block_table[seq.table_row, :needed] = torch.tensor(seq.blocks, dtype=torch.int32)
             self.running.append(seq)
 
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -429,32 +469,21 @@ class Engine:
         chunks = self._schedule()
         if not chunks:
             return []
-        bs, device = self.cache.block_size, self.cache.device
-        ids, positions, slots, q_lens, kv_lens, rows = [], [], [], [], [], []
-        for seq, n in chunks:
-            span = range(seq.num_cached, seq.num_cached + n)
-            ids += seq.tokens[span.start:span.stop]
-            positions += span
-            slots += [seq.blocks[p // bs] * bs + p % bs for p in span]
-            q_lens.append(n)
-            kv_lens.append(span.stop)
-            rows.append(len(ids) - 1)
-        width = max(len(seq.blocks) for seq, _ in chunks)
-        table = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chunks]  # pad ids are never read
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        ids = [token for seq, n in chunks for token in seq.tokens[seq.num_cached:seq.num_cached + n]]
+        rows = list(itertools.accumulate(n for _, n in chunks))
+        rows = [r - 1 for r in rows]  # each chunk's last row in the batch
         sampling = [j for j, (seq, n) in enumerate(chunks) if seq.num_cached + n == len(seq.tokens)]
         gate_s, gated, refused = 0.0, 0, ()
         try:
             start = time.perf_counter()
-            out = self.runner(
-                self.cache, torch.tensor(ids, **i64), torch.tensor(positions, **i64),
-                torch.tensor([0, *q_lens], **i32).cumsum(0, dtype=torch.int32), torch.tensor(kv_lens, **i32),
-                torch.tensor(table, **i32), torch.tensor(slots, **i64),
-                torch.tensor([rows[j] for j in sampling], **i64), fused_write=self.fused_write,
-                hidden_layer=self._gate_layer,
-            )
-            logits = out if self.ood_gate is None else out[0]
-            next_tokens = logits.argmax(dim=-1).tolist()
+            if self.cuda_graphs and len(ids) == len(chunks) and not any(seq.in_prefill for seq, _ in chunks):
+                logits, out = self._decode(chunks, ids), None
+            else:
+                out = self._forward(chunks, ids)
+                logits = out if self.ood_gate is None else out[0]
+            next_tokens = logits.argmax(dim=-1).tolist()  # the step's one read of the device
+            torch_kernels.raise_deferred_errors(self.cache.device)
+            next_tokens = [next_tokens[j] for j in sampling]
             forward_s = time.perf_counter() - start
             if self.ood_gate is not None and any(seq.in_prefill for seq, _ in chunks):
                 start = time.perf_counter()
@@ -477,10 +506,83 @@ class Engine:
                 seq.output.append(token)
             if seq.refused or len(seq.output) == seq.max_new_tokens or token in self.eos_token_ids:
                 seq.finished = True
-                self.cache.release(seq.blocks)
-                self.running.remove(seq)
+                self._retire(seq)
                 finished.append(seq)
         return finished
+
+    def _metadata(self, table_rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, num_tokens: int,
+                  width: int) -> tuple:
+        """The ragged batch's ``(positions, cu_q_lens, kv_lens, block_table, slot_mapping)`` on the
+        device, from each sequence's block-table row, first position and token count (int64 ``[S]``
+        on the device): vectorised, no host read."""
+        bs, num_seqs = self.cache.block_size, counts.shape[0]
+        cu_q_lens = torch.zeros(num_seqs + 1, dtype=torch.int32, device=counts.device)
+        torch.cumsum(counts, 0, out=cu_q_lens[1:])
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=counts.device), counts, output_size=num_tokens)
+        positions = starts[seq] + torch.arange(num_tokens, device=counts.device) - cu_q_lens[seq]
+        block_table = self.block_table[table_rows, :width]
+        slots = block_table[seq, positions // bs].long() * bs + positions % bs
+        return positions, cu_q_lens, (starts + counts).int(), block_table, slots
+
+    def _forward(self, chunks: list[tuple[Request, int]], ids: list[int]):
+        """The runner on the step's ragged batch: logits of each chunk's last row (and the gate's
+        hidden states)."""
+        device = self.cache.device
+        per_seq = torch.tensor([[seq.table_row, seq.num_cached, n] for seq, n in chunks], dtype=torch.int64).to(device)
+        width = max(len(seq.blocks) for seq, _ in chunks)
+        positions, cu_q_lens, kv_lens, block_table, slots = self._metadata(*per_seq.T, len(ids), width)
+        return self.runner(self.cache, torch.tensor(ids, dtype=torch.int64).to(device), positions, cu_q_lens,
+                           kv_lens, block_table, slots, cu_q_lens[1:] - 1, fused_write=self.fused_write,
+                           hidden_layer=self._gate_layer)
+
+    def _decode(self, chunks: list[tuple[Request, int]], ids: list[int]) -> torch.Tensor:
+        """A decode-only step as a padded batch from persistent buffers: replayed as a CUDA graph on
+        a CUDA device (captured on first use of its batch size), run as it is elsewhere."""
+        num_seqs = len(chunks)
+        size = min(1 << (num_seqs - 1).bit_length(), self.max_seqs)
+        pad = size - num_seqs  # padding row j decodes position j of the reserved blocks' row
+        per_seq = [[seq.table_row for seq, _ in chunks] + [self.max_seqs] * pad,
+                   [seq.num_cached for seq, _ in chunks] + list(range(pad))]
+        buffers = self._decode_buffers.get(size)
+        if buffers is None:
+            device = self.cache.device
+            buffers = self._decode_buffers[size] = (torch.zeros(size, dtype=torch.int64, device=device),
+                                                    torch.zeros(2, size, dtype=torch.int64, device=device), None)
+        token_ids, rows_and_starts, _ = buffers
+        token_ids.copy_(torch.tensor(ids + [0] * pad, dtype=torch.int64), non_blocking=True)
+        rows_and_starts.copy_(torch.tensor(per_seq, dtype=torch.int64), non_blocking=True)
+        if self.cache.device.type != "cuda":
+            return self._decode_forward(size)[:num_seqs]
+        graph = self._graphs.get(size)
+        if graph is None:
+            graph = self._capture(size)
+        graph.replay()
+        return self._decode_buffers[size][2][:num_seqs]
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The logits of a padded decode batch of ``size`` read from its persistent buffers."""
+        token_ids, (table_rows, starts), _ = self._decode_buffers[size]
+        counts = torch.ones_like(starts)
+        positions, cu_q_lens, kv_lens, block_table, slots = self._metadata(
+            table_rows, starts, counts, size, self.block_table.shape[1])
+        return self.runner(self.cache, token_ids, positions, cu_q_lens, kv_lens, block_table, slots,
+                           cu_q_lens[1:] - 1, fused_write=self.fused_write)
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        """Capture the padded decode forward of ``size`` (after one eager run on a side stream, which
+        compiles and autotunes the kernels outside the capture); its logits stay in the buffers."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._decode_forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._decode_forward(size)
+        token_ids, rows_and_starts, _ = self._decode_buffers[size]
+        self._decode_buffers[size] = (token_ids, rows_and_starts, logits)
+        self._graphs[size] = graph
+        return graph
 
     def _gate(self, chunks: list[tuple[Request, int]], rows: list[int], hidden: torch.Tensor) -> tuple[int, tuple]:
         """Pool the prefill chunks' rows of ``hidden [T, H]`` (the gate's layer) into their requests,
