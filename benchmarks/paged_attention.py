@@ -223,11 +223,20 @@ def ours_backend(device: str) -> str:
     return "triton" if device == "cuda" else "reference"
 
 
-def op_call(backend):
+def op_call(backend, checks: str | None = None):
+    """The op on ``backend``, its value checks in the device's default mode or in ``checks``."""
     def prepare(x: Inputs, case: Case):
-        return lambda: torch_kernels.ragged_paged_attention(
-            x.query, x.key_cache, x.value_cache, x.cu_q_lens, x.kv_lens, x.block_table, x.sm_scale,
-            implementation=backend)
+        def call():
+            return torch_kernels.ragged_paged_attention(
+                x.query, x.key_cache, x.value_cache, x.cu_q_lens, x.kv_lens, x.block_table, x.sm_scale,
+                implementation=backend)
+        if checks is None:
+            return call
+
+        def checked():
+            with torch_kernels.checks(checks):
+                return call()
+        return checked
     return prepare
 
 
@@ -364,7 +373,7 @@ def vllm_flash_attn_paged(x: Inputs, case: Case):
 class Impl:
     name: str
     prepare: object  # (inputs, case) -> a function of no arguments returning the [T, Hq, D] output
-    role: str  # "ours", "reference" (the golden output), "ours-kernel" or "peer"
+    role: str  # "ours", "reference" (the golden output), "ours-kernel", "ours-full-checks" or "peer"
 
 
 def peer_status(device: str) -> dict:
@@ -394,6 +403,8 @@ def implementations(device: str, peers: dict) -> list:
     impls = [Impl("ours: reference" if ours == "reference" else "reference", op_call("reference"), "reference")]
     if ours != "reference":
         impls.append(Impl(f"ours: {ours}", op_call(ours), "ours"))
+    if device == "cuda":  # the default there is deferred: what the full mode's host sync costs
+        impls.append(Impl(f"ours: {ours}, full checks", op_call(ours, "full"), "ours-full-checks"))
     impls.append(Impl(f"{ours} kernel, no op checks", kernel_call(ours), "ours-kernel"))
     impls.append(Impl("sdpa, pre-gathered", sdpa_pregathered, "peer"))
     impls.append(Impl("gather + sdpa", sdpa_with_gather, "peer"))
