@@ -446,3 +446,42 @@ print("torchax ok")
 def test_torchax_tensors_write_the_latent_cache():
     require_backend("pallas")
     assert "torchax ok" in run_isolated(TORCHAX_WRITE)
+
+
+@pytest.mark.parametrize("backend", backend_params(ops.INDEXER_OP))
+def test_indexer_topk_ranks_inf_scores_first_whatever_the_head_count(backend):
+    """Scores [inf, 1, inf, 2] rank [0, 2, 3, 1] with 3 indexer heads (not a multiple of 16: padded
+    head lanes must add nothing, not 0 * inf = NaN)."""
+    require_backend(backend)
+    k_cache = torch.zeros(1, 16, 16)
+    k_cache[0, :4, 0] = torch.tensor([float("inf"), 1.0, float("inf"), 2.0])
+    q = torch.zeros(1, 3, 16)
+    q[0, :, 0] = 1.0  # every head scores the keys' first dimension
+    weights = torch.ones(1, 3)
+    got = ops.indexer_topk(q, k_cache, weights, torch.tensor([0, 1], dtype=torch.int32),
+                           torch.tensor([4], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 4,
+                           implementation=backend)
+    assert got.tolist() == [[0, 2, 3, 1]]
+
+
+@pytest.mark.parametrize("backend", backend_params(ops.OP))
+def test_lse_is_nan_for_a_nan_query_or_an_inf_key(backend):
+    """The NaN policy for the log-sum-exp: a NaN query row or an attended inf key gives NaN (not
+    -inf, which means "attended nothing"), on every backend; a row that attends nothing gives -inf."""
+    require_backend(backend)
+    skip_pallas_compiles(backend, "the reference's NaN policy")
+    gen = torch.Generator().manual_seed(9)
+    q_nope, q_pe = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    kv_cache = torch.randn(2, 8, 24, generator=gen)
+    q_nope[0, 1, 3] = float("nan")
+    kv_cache[1, 0, 5] = float("inf")  # position 0 of the second sequence: a +inf logit for its query
+    q_nope[1, :, 5] = 1.0
+    cu_q_lens, kv_lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([5, 3], dtype=torch.int32)
+    block_table = torch.tensor([[0], [1]], dtype=torch.int32)
+    topk = torch.tensor([[0, 1], [-1, -1]], dtype=torch.int32)
+    _, lse = ops.ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, 0.25, return_lse=True,
+                                  implementation=backend)
+    assert torch.isnan(lse[0, 1]) and torch.isfinite(lse[0, 0]) and torch.isnan(lse[1]).all()
+    _, lse = ops.ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, 0.25, topk_indices=topk,
+                                  return_lse=True, implementation=backend)
+    assert torch.isnan(lse[0, 1]) and torch.isfinite(lse[0, 0]) and (lse[1] == float("-inf")).all()

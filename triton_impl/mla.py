@@ -150,7 +150,8 @@ def ragged_paged_mla_kernel(
         tl.store(out_ptr + row[:, None] * LR + column[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (column[None, :] < LR))
         if tl.program_id(2) == 0:
-            lse = tl.where(row_sum > 0, row_max + tl.log(tl.where(row_sum > 0, row_sum, 1.0)), float("-inf"))
+            # -inf where nothing was attended; NaN stays NaN (a NaN query or an inf key), as elsewhere
+            lse = tl.where(row_sum == 0, float("-inf"), row_max + tl.log(row_sum))
             tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
@@ -277,8 +278,10 @@ def indexer_topk_kernel(
                     dots = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
                 else:
                     dots = tl.dot(q, k, out_dtype=tl.float32)
-                # relu keeping NaN (then ranked as -inf, as the reference ranks it)
-                score = tl.sum(tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None], axis=0)
+                # relu keeping NaN (then ranked as -inf, as the reference ranks it); padding heads
+                # add nothing (their 0 weight times an inf dot would be NaN)
+                weighted = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
+                score = tl.sum(tl.where(heads[:, None] < HI, weighted, 0.0), axis=0)
                 # higher score first, then lower position: the position, reversed, in the low bits
                 key = (_ordered(score) << 32) | (2147483647 - pos).to(tl.int64)
                 tl.store(scratch_ptr + t.to(tl.int64) * TOPK_P + first + tl.arange(0, BLOCK_N),
