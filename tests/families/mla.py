@@ -144,6 +144,8 @@ INDEXER = [
     ("block_table page out of range", "block_table", ValueError, set_at("block_table", 0, torch.tensor([6, 0, 0]))),
     ("top_k zero", "top_k", ValueError, set_arg("top_k", 0)),
     ("top_k a float", "top_k", TypeError, set_arg("top_k", 4.0)),
+    ("top_k past int32", "top_k", ValueError, set_arg("top_k", 2**40)),
+    ("top_k past int64", "top_k", ValueError, set_arg("top_k", 2**63)),
     ("weights on meta", "weights", ValueError, map_arg("weights", lambda t: t.to("meta"))),
 ]
 

@@ -216,12 +216,17 @@ def check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, t
     _checks.tensor("block_table", block_table, ndim=2, dtypes=(paged.INDEX_DTYPE,))
     _checks.size("cu_q_lens", 0, cu_q_lens.shape[0], kv_lens.shape[0] + 1, "sequences S of kv_lens, plus one")
     _checks.size("block_table", 0, block_table.shape[0], kv_lens.shape[0], "sequences S of kv_lens")
-    if not isinstance(top_k, int) or isinstance(top_k, bool):
-        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
-    if top_k < 1:
-        raise ValueError(f"top_k: expected an int >= 1, got {top_k}")
+    check_top_k(top_k)
     _checks.same_device(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
                         block_table=block_table)
+
+
+def check_top_k(top_k) -> None:
+    """An int in [1, 2**31 - 1]: positions are int32 (and the dispatcher takes no int past int64)."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    if not 1 <= top_k <= _checks.INT32_MAX:
+        raise ValueError(f"top_k: expected an int in [1, {_checks.INT32_MAX}] (positions are int32), got {top_k}")
 
 
 def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
@@ -418,8 +423,7 @@ def indexer_topk(
     """
     paged.check_tensors(q=q, k_cache=k_cache, weights=weights, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
                         block_table=block_table)
-    if not isinstance(top_k, int) or isinstance(top_k, bool):  # before the dispatcher parses it less clearly
-        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__} {top_k!r}")
+    check_top_k(top_k)  # before the dispatcher parses it less clearly
     return indexer_topk_op(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k,
                            backends.implementation_arg(implementation))
 
