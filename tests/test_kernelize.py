@@ -200,6 +200,28 @@ def test_other_models_untouched_and_undo_restores():
     report.undo()  # a second undo does nothing
 
 
+@pytest.mark.parametrize("order", ["first-first", "last-first"])
+def test_kernelized_twice_undone_in_any_order_restores_the_model(order):
+    """Two kernelize reports of one model, undone in creation order or the other: the model's hub
+    wrappers, layer classes and experts implementation end as they were (creation order left
+    causal_conv1d_fn and _update routed to torch_kernels)."""
+    model, ids = _model("lfm2"), _ids(length=8)
+    before = [dict(m.__dict__.get("_kernel_funcs", {})) for m in model.modules()]
+    classes = [type(m) for m in model.modules()]
+    first, second = kernelize(model), kernelize(model, "reference")
+    assert _op_calls(model, ids) == {"causal_conv1d_fn"}
+    for report in (first, second) if order == "first-first" else (second, first):
+        report.undo()
+    assert [dict(m.__dict__.get("_kernel_funcs", {})) for m in model.modules()] == before
+    assert [type(m) for m in model.modules()] == classes
+    assert _op_calls(model, ids) == set()
+
+
+def test_quantized_attention_of_a_plain_module_is_reported():
+    report = kernelize(torch.nn.Linear(2, 2), quantized_attention=True)
+    assert "not a transformers model" in dict(report.not_replaced)["attention"]
+
+
 def test_survives_a_hub_kernelize_of_the_model():
     """transformers repeats the hub kernelize on train()/eval() of a model loaded with hub kernels:
     it finds no mapping for the replaced wrappers' own names and keeps them."""

@@ -227,7 +227,7 @@ class KernelizeReport:
     ``"attention"``), ``where`` each was replaced (module paths),
     and ``not_replaced``, ``(name, why)`` for every hub-named function or layer, experts or attention
     path of the model left as it was. :meth:`undo` (or leaving it as a context manager) restores the
-    model exactly."""
+    model exactly; the reports of a model kernelized more than once may be undone in any order."""
 
     replaced: list = dataclasses.field(default_factory=list)
     not_replaced: list = dataclasses.field(default_factory=list)
@@ -253,6 +253,26 @@ class KernelizeReport:
 
     def __exit__(self, *exc) -> None:
         self.undo()
+
+
+def _record(report: KernelizeReport, model: nn.Module, slot, previous, restore) -> None:
+    """Record that ``report`` replaced ``previous`` in ``slot`` of ``model`` (``restore(value)`` puts a
+    value back). Kernelizing a model again stacks replacements per slot; undoing one splices it out
+    of its slot's stack, so the reports may be undone in any order and the last undo restores the
+    model as it was."""
+    stack = model.__dict__.setdefault("_torch_kernels_replaced", {}).setdefault(slot, [])
+    entry = [previous]
+    stack.append(entry)
+
+    def undo() -> None:
+        i = next(i for i, e in enumerate(stack) if e is entry)
+        if i == len(stack) - 1:  # on top: what it replaced comes back
+            restore(entry[0])
+        else:  # under a later replacement: that one will put back what this one replaced
+            stack[i + 1][0] = entry[0]
+        del stack[i]
+
+    report._undo.append(undo)
 
 
 def _checked_implementation(implementation) -> str | None:
@@ -306,7 +326,7 @@ def _replace_hub_functions(model: nn.Module, implementation: str | None, report:
                 continue
             base = getattr(type(wrapper), "torch_kernels_base", type(wrapper))
             wrappers[name] = _replacement_class(base, name, provided[name], implementation)()
-            report._undo.append(functools.partial(wrappers.__setitem__, name, wrapper))
+            _record(report, model, (path, name), wrapper, functools.partial(wrappers.__setitem__, name))
             report._add(name, path)
     # a hub function the modeling code calls without listing it in a layer's use_kernelized_func is
     # one module global for every model: replacing it would touch them all
@@ -334,7 +354,7 @@ def _replace_layers(model: nn.Module, implementation: str | None, report: Kernel
             report._skip(base.__name__, "; ".join(missing) or f"{path}: {unsupported}")
             continue
         module.__class__ = _layer_class(base, forward, implementation)
-        report._undo.append(functools.partial(setattr, module, "__class__", current))
+        _record(report, model, (path, "__class__"), current, functools.partial(setattr, module, "__class__"))
         report._add(base.__name__, path)
 
 
@@ -361,20 +381,24 @@ def _replace_experts(model: nn.Module, implementation: str | None, report: Kerne
     except (ValueError, RuntimeError) as e:  # e.g. experts fixed at load time
         report._skip("experts", f"transformers refuses a new experts implementation for this model: {e}")
         return
-    report._undo.append(functools.partial(model.set_experts_implementation, previous))
+    _record(report, model, "experts", previous, model.set_experts_implementation)
     for path, module in experts:
         if supports(module):
             report._add("experts", path)
 
 
 def _replace_attention(model: nn.Module, report: KernelizeReport) -> None:
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        report._skip("attention", f"{type(model).__name__} is not a transformers model (no attention "
+                                  "implementation to set)")
+        return
     previous = _implementations(model.config, "_attn_implementation")
     try:
         model.set_attn_implementation(QUANTIZED_ATTENTION)
     except (ValueError, ImportError) as e:
         report._skip("attention", f"transformers refuses {QUANTIZED_ATTENTION!r} for this model: {e}")
         return
-    report._undo.append(functools.partial(model.set_attn_implementation, previous))
+    _record(report, model, "attention", previous, model.set_attn_implementation)
     if model.config._attn_implementation != QUANTIZED_ATTENTION:  # transformers only warns for some models
         report._skip("attention", f"{type(model).__name__} cannot set its attention implementation after loading "
                                   f"(it does not use transformers' attention interface)")
