@@ -409,21 +409,41 @@ def test_standardization_and_grid(small_scorer):
     assert not torch.equal(scorer.noise_[0], scorer.noise_[1])  # each probe of a level draws its own noise
 
 
-def test_constant_feature_is_an_error_naming_ridge_as_for_mahalanobis():
+def test_a_constant_feature_is_centred_not_scaled_as_for_mahalanobis():
+    """A feature constant in the fit data gets scale 1 (scikit-learn's StandardScaler's rule) in
+    EDM's standardization and unit variance, uncorrelated, in Mahalanobis' covariance; ridge, when
+    given, is still added to every feature's variance."""
     data = torch.randn(100, 3, generator=torch.Generator().manual_seed(22))
     data[:, 1] = 7.0
-    for scorer in (EDMScorer(width=8, depth=0, levels=1), MahalanobisScorer()):
-        with pytest.raises(ValueError, match=r"^features: .*constant.*pass ridge > 0"):
-            scorer.fit(data, **({"steps": 2, "progress": False} if isinstance(scorer, EDMScorer) else {}))
-    with pytest.raises(ValueError, match=r"feature\(s\) 1 of 3;"):
-        EDMScorer(width=8, depth=0, levels=1).fit(data, steps=2, progress=False)
-    # ridge is added to every feature's variance, as MahalanobisScorer's to its covariance's diagonal
+    scorer = EDMScorer(width=8, depth=0, levels=1).fit(data, steps=2, progress=False)
+    assert scorer.inv_scale_[1].item() == 1.0 and scorer.mean_[1].item() == 7.0
+    torch.testing.assert_close(scorer.inv_scale_[[0, 2]], 1 / data[:, [0, 2]].std(0, unbiased=False), rtol=1e-5, atol=0)
+    covariance = MahalanobisScorer().fit(data).covariance_
+    assert covariance[1].tolist() == [0.0, 1.0, 0.0] and covariance[:, 1].tolist() == [0.0, 1.0, 0.0]
     scorer = EDMScorer(width=8, depth=0, levels=1, ridge=0.25).fit(data, steps=2, progress=False)
     want = 1 / (data.double().var(0, unbiased=False) + 0.25).sqrt()
     torch.testing.assert_close(scorer.inv_scale_, want.float())
     assert scorer.inv_scale_[1].item() == 2.0
     torch.testing.assert_close(MahalanobisScorer(ridge=0.25).fit(data).covariance_.diagonal()[1],
                                torch.tensor(0.25, dtype=torch.float64))
+
+
+def test_real_minilm_features_fit_by_default():
+    """all-MiniLM-L6-v2 embeddings of CLINC150 queries (tests/data) have dead output dimensions:
+    both scorers fit them with their defaults, those dimensions centred and not scaled, and score
+    held-out rows finitely."""
+    import pathlib
+
+    features = torch.from_numpy(np.load(pathlib.Path(__file__).parent / "data" / "clinc150_minilm.npz")["features"])
+    fit, held_out = features[:400], features[400:]
+    variance = fit.double().var(0, unbiased=False)
+    dead = variance <= 384 * torch.finfo(torch.float64).eps * variance.max()
+    assert 1 <= int(dead.sum()) <= 8, "the embeddings no longer have the dead dimensions this test is about"
+    edm = EDMScorer(width=16, depth=1, levels=2, probes=1).fit(fit, steps=5, progress=False)
+    assert (edm.inv_scale_[dead] == 1.0).all() and torch.isfinite(edm.score(held_out)).all()
+    mahalanobis = MahalanobisScorer().fit(fit)
+    assert (mahalanobis.covariance_.diagonal()[dead] == 1.0).all()
+    assert torch.isfinite(mahalanobis.score(held_out)).all()
 
 
 def test_training_rows_score_in_range_over_seeds():

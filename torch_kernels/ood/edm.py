@@ -17,6 +17,7 @@ from torch import nn
 from .. import _checks
 from ..ops.ood import edm_score
 from ..reference import ood as reference
+from .mahalanobis import constant_features
 from .scorer import FittedScorer
 
 __all__ = ["EDMScorer", "edm_score"]
@@ -42,15 +43,15 @@ class EDMScorer(FittedScorer):
             pairs, so more probes average out more of the score's dependence on the drawn noise (4).
         statistic: ``"denoise"`` or ``"scoped"`` (below); ``score(x, statistic=...)`` overrides it.
         ridge: added to every feature's variance before standardizing, as ``MahalanobisScorer``'s
-            ``ridge`` is to its covariance's diagonal; needed when a feature is constant in the fit data.
+            ``ridge`` is to its covariance's diagonal (0: none).
 
     **Model.** Features are standardized with the fit data's per-feature mean and standard
     deviation, ``y = (x - mean) * inv_scale`` with ``inv_scale = 1 / sqrt(variance + ridge)``, so
-    that ``sigma_data`` (the root mean variance of ``y``) is about 1. A feature of zero variance
-    (numerically: below ``D`` float64 epsilons of the largest, ``MahalanobisScorer``'s test for a
-    singular covariance) makes ``fit`` raise a ``ValueError`` naming it and the remedies: ``ridge > 0``
-    or dropping it. (It cannot be scaled to unit variance; any fixed scale would be arbitrary, and
-    a deviation from the constant at scoring would weigh by it.) The denoiser is EDM's
+    that ``sigma_data`` (the root mean variance of ``y``) is about 1. A feature constant in the fit
+    data (zero variance, or below ``D`` float64 epsilons of the largest: the dead output dimensions
+    of encoders such as all-MiniLM-L6-v2) is centred and not divided, ``inv_scale = 1``, as
+    scikit-learn's ``StandardScaler`` does; a deviation from its constant at scoring then counts in
+    the feature's own units. The denoiser is EDM's
     ``D(y; s) = c_skip(s) y + c_out(s) F(c_in(s) y; c_noise(s))`` with ``c_skip = sd^2 / (s^2 + sd^2)``,
     ``c_out = s sd / sqrt(s^2 + sd^2)``, ``c_in = 1 / sqrt(s^2 + sd^2)``, ``c_noise = ln(s) / 4``.
     ``F`` is a residual MLP: the noise-level embedding ``e(s) = [cos 2 pi f c_noise, sin 2 pi f c_noise]
@@ -206,13 +207,8 @@ class EDMScorer(FittedScorer):
         if variance.max() == 0:
             raise ValueError("features: every feature is constant; there is nothing to fit")
         variance += self.ridge
-        # MahalanobisScorer's test for a singular covariance, on the diagonal one used here
-        constant = (variance < d * torch.finfo(torch.float64).eps * variance.max()).nonzero().flatten().tolist()
-        if constant:
-            listed = ", ".join(map(str, constant[:5])) + (f" and {len(constant) - 5} more" if len(constant) > 5 else "")
-            raise ValueError(f"features: constant in the fit data (zero variance, which standardizing divides by): "
-                             f"feature(s) {listed} of {d}; pass ridge > 0 (added to every feature's variance) or "
-                             "drop them")
+        # a constant feature is centred, not divided (scale 1, as scikit-learn's StandardScaler)
+        variance = torch.where(constant_features(variance), 1.0, variance)
         mean32, inv_scale32 = mean.to(torch.float32), variance.rsqrt().to(torch.float32)
         # standardized as scoring will: with the stored float32 mean and scale, not the float64 ones
         y = ((data64 - mean32.double()) * inv_scale32.double()).to(torch.float32)

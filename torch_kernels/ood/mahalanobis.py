@@ -56,6 +56,12 @@ class _Moments:
         self.sq_weighted_sum += sq @ u
 
 
+def constant_features(variance: torch.Tensor) -> torch.Tensor:
+    """Which features are constant in the fit data: a variance of zero or below ``D`` float64
+    epsilons of the largest (the relative size at which a covariance is numerically singular)."""
+    return variance <= variance.shape[0] * torch.finfo(torch.float64).eps * variance.max()
+
+
 class MahalanobisScorer(FittedScorer):
     """Mahalanobis-distance OOD scorer over frozen features, usable as a module inside models.
 
@@ -63,7 +69,12 @@ class MahalanobisScorer(FittedScorer):
         covariance: ``"empirical"`` (maximum likelihood), ``"ledoit_wolf"`` or ``"oas"``
             (shrinkage towards a scaled identity, as scikit-learn's estimators of those names).
         ridge: added to the covariance's diagonal after shrinkage; needed when the covariance
-            is singular (fewer samples than features, or constant features).
+            is singular (fewer samples than features, or collinear features).
+
+    A feature constant in the fit data (zero variance, or below ``D`` float64 epsilons of the
+    largest; the dead output dimensions some sentence encoders have) is centred and not scaled: the
+    covariance gets a unit variance for it and no correlation, as scikit-learn's ``StandardScaler``
+    gives such a feature scale 1, so the default fit does not refuse it.
 
     ``fit(features, labels=None)`` fits one Gaussian, or with labels one mean per class and a
     tied covariance (Lee et al., 2018). ``forward(x)`` / ``score(x)`` return ``[B]`` squared
@@ -177,6 +188,12 @@ class MahalanobisScorer(FittedScorer):
         # scatter about the class means: sum u u^T - sum_c n_c mu_c mu_c^T
         scatter = m.scatter - (class_mean.T * m.class_count) @ class_mean
         emp = scatter / n
+        # a feature constant in the fit data (dead output dimensions of an encoder) is centred, not
+        # scaled: unit variance, uncorrelated, as scikit-learn's StandardScaler gives it scale 1
+        constant = constant_features(emp.diagonal() + self.ridge)  # a ridge makes none constant
+        emp[constant] = 0.0
+        emp[:, constant] = 0.0
+        emp.diagonal()[constant] = 1.0
         mu = emp.diagonal().sum() / d
         if self.covariance == "empirical" or d == 1:
             shrinkage = 0.0
@@ -219,8 +236,8 @@ class MahalanobisScorer(FittedScorer):
         # a pivot this small against the largest means the covariance is numerically singular
         if info.item() != 0 or (diag.min() / diag.max()) ** 2 < cov.shape[0] * torch.finfo(torch.float64).eps:
             raise ValueError(
-                "features: the covariance is singular (fewer samples than features, or constant or "
-                "collinear features); pass ridge > 0 or use covariance='ledoit_wolf' or 'oas'"
+                "features: the covariance is singular (fewer samples than features, or collinear "
+                "features); pass ridge > 0 or use covariance='ledoit_wolf' or 'oas'"
             )
         eye = torch.eye(cov.shape[0], dtype=torch.float64, device=cov.device)
         whitener = torch.linalg.solve_triangular(chol, eye, upper=False).T
