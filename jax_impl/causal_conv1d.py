@@ -176,7 +176,8 @@ def _update(convolve, x, conv_state, weight, bias, silu, cache_seqlens, conv_sta
     if cache_seqlens is None:
         history = rows[..., state_len - width + 1:]
     else:
-        start = cache_seqlens.astype(jnp.int32)
+        # the ring position first: the count plus the new steps may pass int32's range
+        start = jnp.remainder(cache_seqlens.astype(jnp.int32), state_len)
         positions = jnp.remainder(start[:, None] + taps, state_len)
         history = jnp.take_along_axis(rows, positions[:, None, :], axis=2)
     out = convolve(x, weight, bias, None, history, silu)
