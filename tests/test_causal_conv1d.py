@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_kernels
-from harness import assert_close, backend_params, compiled_fullgraph, counted_flops, require_backend, run_isolated, \
-    run_opcheck
+from harness import HostReads, assert_close, backend_params, compiled_fullgraph, counted_flops, require_backend, \
+    run_isolated, run_opcheck
 from torch_kernels import backends
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"
@@ -238,6 +238,58 @@ def test_update_on_strided_state_with_one_step_x_in_bfloat16(backend):
     outside = torch.ones(cache.shape, dtype=torch.bool)
     outside[:, 1, :, 1:4] = False
     assert torch.equal(cache[outside], before[outside])
+
+
+SENTINEL = -1234.5  # what the conv_state rows no good entry names hold, before and after
+
+
+@pytest.mark.parametrize("backend", backend_params(UPDATE))
+def test_update_in_deferred_mode_makes_bad_entries_safe(backend):
+    """Deferred checks: entry 1's row is past conv_state's (skipped as padding), entry 3's
+    cache_seqlens is negative (read as 0). The call raises nothing; those entries' outputs are NaN,
+    the others' are the definition's; only the good entries' rows are written (entry 3's at ring
+    position 0), every other row keeps its sentinel, and on Triton (the accelerator's path) nothing
+    is read on the host; ``raise_deferred_errors`` then names the argument."""
+    require_backend(backend)
+    kw = make_update_inputs(batch=4, steps=2, state_len=5, lines=8, ring=True)
+    kw["conv_state_indices"] = torch.tensor([5, 99, 2, 6], dtype=torch.int32)
+    kw["cache_seqlens"][3] = -3
+    used = [5, 2, 6]
+    kw["conv_state"][[r for r in range(8) if r not in used]] = SENTINEL
+    safe_seqlens = kw["cache_seqlens"].clamp(min=0)
+    want_out, want_state = naive_update(kw["x"], kw["conv_state"], kw["weight"], kw["bias"], True, safe_seqlens,
+                                        torch.tensor([5, -1, 2, 6]))
+    state = kw["conv_state"].clone()
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        out = torch_kernels.causal_conv1d_update(**{**kw, "conv_state": state}, activation="silu",
+                                                 implementation=backend)
+    assert backend != "triton" or not guard.reads, guard.reads
+    with pytest.raises(ValueError, match=r"^(conv_state_indices|cache_seqlens): expected .*"
+                                         r"\(and 1 other failed check\)$"):
+        torch_kernels.raise_deferred_errors()
+    assert torch.isnan(out[[1, 3]]).all()
+    assert_close(out[[0, 2]], want_out[[0, 2]], torch.float32, what="good entries' out")
+    assert torch.equal(state, want_state.float()), (state - want_state).abs().max()
+    assert (state[[r for r in range(8) if r not in used]] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("backend", backend_params(FN))
+def test_fn_in_deferred_mode_nans_the_entry_with_a_seq_idx_past_int32(backend):
+    """An int64 seq_idx past int32's range in batch entry 1: no raise at the call, entry 1's output
+    NaN, entry 0's as the full mode gives it, nothing read on the host on Triton;
+    ``raise_deferred_errors`` names seq_idx."""
+    require_backend(backend)
+    kw = make_fn_inputs(seq=((10, 27), (5, 32)))
+    want = torch_kernels.causal_conv1d_fn(**kw, activation="silu", implementation=backend)
+    kw["seq_idx"] = kw["seq_idx"].long()
+    kw["seq_idx"][1, 5:] = 2 ** 32
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        out = torch_kernels.causal_conv1d_fn(**kw, activation="silu", implementation=backend)
+    assert backend != "triton" or not guard.reads, guard.reads
+    with pytest.raises(ValueError, match=r"^seq_idx: expected values in int32's range"):
+        torch_kernels.raise_deferred_errors()
+    assert torch.isnan(out[1]).all()
+    torch.testing.assert_close(out[0], want[0], rtol=0, atol=0)
 
 
 def test_prefill_then_decode_continues_one_run():

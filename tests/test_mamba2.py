@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_kernels
-from harness import assert_close, backend_params, compiled_fullgraph, counted_flops, require_backend, run_isolated, \
-    run_opcheck
+from harness import HostReads, assert_close, backend_params, compiled_fullgraph, counted_flops, require_backend, \
+    run_isolated, run_opcheck
 from torch_kernels import backends
 from torch_kernels.ops.mamba2 import naive_scan, naive_update
 
@@ -276,6 +276,60 @@ def test_update_on_a_strided_state_view_with_head_vectors(backend):
     assert torch.equal(cache[outside], before[outside])
     idle = [r for r in range(4) if r not in kw["state_batch_indices"].tolist()]
     assert torch.equal(state[idle], before[:, 1, :, :, 1:9][idle])
+
+
+SENTINEL = -1234.5  # what the state rows no good entry names hold, before and after
+
+
+@pytest.mark.parametrize("backend", backend_params(UPDATE))
+def test_update_in_deferred_mode_makes_a_bad_row_padding(backend):
+    """Deferred checks: entry 1's row is past the state's, entry 3 is padding. The call raises
+    nothing; entry 1 is skipped as padding and its output is NaN, entry 3's is zeros, the others'
+    are the definition's; only rows 3 and 0 are written, every other row keeps its sentinel; on
+    Triton (the accelerator's path) nothing is read on the host; ``raise_deferred_errors`` then
+    names state_batch_indices."""
+    require_backend(backend)
+    kw = make_update_inputs(batch=4, rows=6)
+    kw["state_batch_indices"] = torch.tensor([3, 6, 0, -1], dtype=torch.int32)
+    idle = [1, 2, 4, 5]
+    kw["state"][idle] = SENTINEL
+    want_out, want_state = naive_update(**{**kw, "state_batch_indices": torch.tensor([3, -1, 0, -1])},
+                                        dt_softplus=True)
+    state = kw["state"].clone()
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        out = torch_kernels.selective_state_update(**{**kw, "state": state}, dt_softplus=True, implementation=backend)
+    assert backend != "triton" or not guard.reads, guard.reads
+    with pytest.raises(ValueError, match=r"^state_batch_indices: expected rows below state's 6 \(found by a "
+                                         r"deferred check\)$"):
+        torch_kernels.raise_deferred_errors()
+    assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros_like(out[3]))
+    assert_close(out[[0, 2]], want_out[[0, 2]], torch.float32, what="good entries' out")
+    assert_close(state[[3, 0]], want_state[[3, 0]], torch.float32, what="written rows")
+    assert (state[idle] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scan_in_deferred_mode_nans_a_head_whose_state_grows(backend):
+    """A positive A in head 2 (a growing state), deferred checks: the call raises nothing, head 2's
+    y and final states are NaN, the other heads' are those of the same call with a decaying head 2
+    (heads are independent), nothing is read on the host on Triton; ``raise_deferred_errors`` then
+    names A."""
+    require_backend(backend)
+    kw = make_scan_inputs(h0=True)
+    want_y, want_states = torch_kernels.mamba_chunk_scan_combined(**kw, chunk_size=8, dt_softplus=True,
+                                                                  return_final_states=True, implementation=backend)
+    kw["A"][2] = 0.5
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        y, states = torch_kernels.mamba_chunk_scan_combined(**kw, chunk_size=8, dt_softplus=True,
+                                                            return_final_states=True, implementation=backend)
+    assert backend != "triton" or not guard.reads, guard.reads
+    with pytest.raises(ValueError, match=r"^A: expected A \* dt <= 0 \(A <= 0: a decaying state\) \(found by a "
+                                         r"deferred check\)$"):
+        torch_kernels.raise_deferred_errors()
+    assert torch.isnan(y[:, :, 2]).all() and torch.isnan(states[:, 2]).all()
+    others = [0, 1, 3]
+    torch.testing.assert_close(y[:, :, others], want_y[:, :, others], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[:, others], want_states[:, others], rtol=1e-6, atol=1e-6)
 
 
 # ---- transformers' torch fallbacks ----

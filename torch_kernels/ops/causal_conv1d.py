@@ -116,26 +116,40 @@ def check_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, 
     _checks.same_device(x=x, conv_state=conv_state, weight=weight, **present)
 
 
-def check_update_values(conv_state, cache_seqlens, conv_state_indices) -> None:
-    """Rows in range and each at most once (negative: padding), ring positions not negative; one host sync."""
-    tests = []
+def check_update_values(conv_state, cache_seqlens, conv_state_indices,
+                        checks: _checks.ValueChecks | None = None) -> tuple:
+    """Rows below conv_state's and each at most once (negative: padding), ring positions >= 0.
+    Returns ``(cache_seqlens, conv_state_indices, bad_entries)``: as given in full mode
+    (``bad_entries`` None); in deferred mode made safe (a row past conv_state's becomes padding, a
+    negative length 0) and ``bad_entries`` ``[B]`` marks the entries whose output must be NaN (an
+    int64 value past int32's range too, which the kernel's int32 cast saturates). Without
+    ``checks``, checks fully now."""
+    own = checks is None
+    checks = checks or _checks.ValueChecks(conv_state.device, "full")
+    bad_entries = None
     if conv_state_indices is not None:
+        past = conv_state_indices >= conv_state.shape[0]
         rows = conv_state_indices.sort().values
-        repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)
-        tests += [(conv_state_indices >= conv_state.shape[0]).any(), repeated.any()]
+        repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)  # stays in bounds: not made safe
+        checks.add(past, f"conv_state_indices: expected rows below conv_state's {conv_state.shape[0]}",
+                   lambda: f"got {conv_state_indices.tolist()}")
+        checks.add(repeated, "conv_state_indices: expected each row at most once",
+                   lambda: f"got {conv_state_indices.tolist()}")
+        if checks.deferred:
+            # a row below int32's range saturates to a negative one: padding, and bad
+            bad_entries = past | (conv_state_indices < _checks.INT32_MIN)
+            conv_state_indices = torch.where(past, -1, conv_state_indices)
     if cache_seqlens is not None:
-        tests.append((cache_seqlens < 0).any())
-    if not tests:
-        return
-    flags = torch.stack(tests).tolist()
-    if conv_state_indices is not None:
-        if flags.pop(0):
-            raise ValueError(f"conv_state_indices: expected rows below conv_state's {conv_state.shape[0]}, "
-                             f"got {conv_state_indices.tolist()}")
-        if flags.pop(0):
-            raise ValueError(f"conv_state_indices: expected each row at most once, got {conv_state_indices.tolist()}")
-    if cache_seqlens is not None and flags.pop(0):
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {cache_seqlens.tolist()}")
+        negative = cache_seqlens < 0
+        checks.add(negative, "cache_seqlens: expected lengths >= 0", lambda: f"got {cache_seqlens.tolist()}")
+        if checks.deferred:
+            # a length past int32's range saturates to a valid-looking one: bad
+            bad_lengths = negative | (cache_seqlens > _checks.INT32_MAX)
+            bad_entries = bad_lengths if bad_entries is None else bad_entries | bad_lengths
+            cache_seqlens = cache_seqlens.clamp(min=0)
+    if own:
+        checks.finish()
+    return cache_seqlens, conv_state_indices, bad_entries
 
 
 # ---- causal_conv1d_fn ----
@@ -150,9 +164,15 @@ def _contiguous(t):
 
 def _forward_kernel(x, weight, bias=None, seq_idx=None, initial_states=None, activation=None, implementation=None):
     check_inputs(x, weight, bias, seq_idx, initial_states, activation)
+    checks = _checks.ValueChecks(x.device)
+    ids = _checks.int32_values("seq_idx", seq_idx, checks)
+    checks.finish()
     out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, x.detach(), _contiguous(weight),
-                            _contiguous(bias), _checks.int32_values("seq_idx", seq_idx), _contiguous(initial_states),
-                            check_activation(activation))
+                            _contiguous(bias), ids, _contiguous(initial_states), check_activation(activation))
+    if checks.deferred and seq_idx is not None:
+        # an id past int32's range was saturated (sequences may merge): its batch entry is NaN
+        past = (seq_idx < _checks.INT32_MIN) | (seq_idx > _checks.INT32_MAX)
+        out = out.masked_fill(past.any(-1)[:, None, None], torch.nan)
     return out.contiguous()
 
 
@@ -233,12 +253,18 @@ register_cost(causal_conv1d_fn_op, flops=_conv_flops, bytes=io_bytes)
 def _update_kernel(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None,
                    implementation=None):
     check_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
-    check_update_values(conv_state, cache_seqlens, conv_state_indices)
+    checks = _checks.ValueChecks(x.device)
+    cache_seqlens, conv_state_indices, bad_entries = check_update_values(conv_state, cache_seqlens,
+                                                                         conv_state_indices, checks)
+    cache_seqlens = _checks.int32_values("cache_seqlens", cache_seqlens, checks)
+    conv_state_indices = _checks.int32_values("conv_state_indices", conv_state_indices, checks)
+    checks.finish()
     steps = x if x.dim() == 3 else x[..., None]
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, steps.contiguous(), conv_state,
                             weight.contiguous(), _contiguous(bias), check_activation(activation),
-                            _checks.int32_values("cache_seqlens", cache_seqlens),
-                            _checks.int32_values("conv_state_indices", conv_state_indices))
+                            cache_seqlens, conv_state_indices)
+    if bad_entries is not None:
+        out.masked_fill_(bad_entries[:, None, None], torch.nan)
     return out.reshape(x.shape)
 
 
@@ -300,6 +326,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     Returns:
         ``out [B, D, T]`` in x's dtype, or ``(out, final_states)`` with ``return_final_states``.
         Differentiable in x, weight, bias, initial_states (and through the final states).
+
+    In the deferred check mode (``torch_kernels.checks``) an int64 seq_idx past int32's range is
+    recorded, not raised, and its batch entry's output is NaN.
     """
     _require_tensors(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states,
                      final_states_out=final_states_out)
@@ -346,6 +375,10 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
 
     Returns:
         out in x's shape and dtype.
+
+    In the deferred check mode (``torch_kernels.checks``) bad values are recorded, not raised: an
+    entry whose row is past conv_state's is skipped as padding, a negative cache_seqlens is read
+    as 0, and those entries' outputs are NaN; a repeated row is only recorded.
     """
     _require_tensors(x=x, conv_state=conv_state, weight=weight, bias=bias, cache_seqlens=cache_seqlens,
                      conv_state_indices=conv_state_indices)

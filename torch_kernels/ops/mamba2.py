@@ -184,18 +184,29 @@ def check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indice
     _checks.same_device(state=state, x=x, dt=dt, A=A, B=B, C=C, **present)
 
 
-def check_update_values(state, state_batch_indices) -> None:
-    """Rows below the state's and each at most once (negative: padding); one host sync."""
+def check_update_values(state, state_batch_indices, checks: _checks.ValueChecks | None = None) -> tuple:
+    """Rows below the state's and each at most once (negative: padding). Returns
+    ``(state_batch_indices, bad_entries)``: as given in full mode (``bad_entries`` None); in
+    deferred mode a row past the state's becomes padding and ``bad_entries`` ``[batch]`` marks the
+    entries whose output must be NaN (an int64 row below int32's range too, which the kernel's
+    int32 cast saturates to padding). Without ``checks``, checks fully now."""
     if state_batch_indices is None:
-        return
+        return None, None
+    own = checks is None
+    checks = checks or _checks.ValueChecks(state.device, "full")
+    past = state_batch_indices >= state.shape[0]
     rows = state_batch_indices.sort().values
-    repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)
-    past, twice = torch.stack([(state_batch_indices >= state.shape[0]).any(), repeated.any()]).tolist()
-    if past:
-        raise ValueError(f"state_batch_indices: expected rows below state's {state.shape[0]}, "
-                         f"got {state_batch_indices.tolist()}")
-    if twice:
-        raise ValueError(f"state_batch_indices: expected each row at most once, got {state_batch_indices.tolist()}")
+    repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)  # stays in bounds: not made safe
+    checks.add(past, f"state_batch_indices: expected rows below state's {state.shape[0]}",
+               lambda: f"got {state_batch_indices.tolist()}")
+    checks.add(repeated, "state_batch_indices: expected each row at most once",
+               lambda: f"got {state_batch_indices.tolist()}")
+    if own:
+        checks.finish()
+    if not checks.deferred:
+        return state_batch_indices, None
+    return (torch.where(past, -1, state_batch_indices),
+            past | (state_batch_indices < _checks.INT32_MIN))
 
 
 # ---- selective_state_update ----
@@ -211,10 +222,14 @@ def _contiguous(t):
 def _update_kernel(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None,
                    implementation=None):
     check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-    check_update_values(state, state_batch_indices)
-    rows = _checks.int32_values("state_batch_indices", state_batch_indices)
+    checks = _checks.ValueChecks(x.device)
+    rows, bad_entries = check_update_values(state, state_batch_indices, checks)
+    rows = _checks.int32_values("state_batch_indices", rows, checks)
+    checks.finish()
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, state, x.contiguous(), dt, A,
                             B.contiguous(), C.contiguous(), D, _contiguous(z), dt_bias, bool(dt_softplus), rows)
+    if bad_entries is not None:
+        out = out.masked_fill(bad_entries[:, None, None], torch.nan)
     return out.contiguous()
 
 
@@ -289,6 +304,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
     Returns:
         out ``[batch, nheads, headdim]`` in x's dtype.
+
+    In the deferred check mode (``torch_kernels.checks``) bad rows are recorded, not raised: an
+    entry whose row is past the state's is skipped as padding and its output is NaN; a repeated
+    row is only recorded.
     """
     _require_tensors(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                      state_batch_indices=state_batch_indices)
@@ -342,8 +361,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     Args:
         x: ``[batch, seqlen, nheads, headdim]``.
         dt: ``[batch, seqlen, nheads]`` step sizes (before dt_bias and softplus).
-        A: ``[nheads]``, ``<= 0`` (models: ``-exp(A_log)``); ``A * d_t <= 0`` is checked (one host
-            read), since the state may not grow.
+        A: ``[nheads]``, ``<= 0`` (models: ``-exp(A_log)``); ``A * d_t <= 0`` is checked (in the
+            full check mode, one host read), since the state may not grow.
         B, C: ``[batch, seqlen, ngroups, dstate]``, ``nheads % ngroups == 0``.
         chunk_size: a positive int (mamba's kernels' block length; no effect on the result).
         D: ``[nheads]`` or ``[nheads, headdim]`` skip, or None.
@@ -366,6 +385,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         y ``[batch, seqlen, nheads, headdim]`` in x's dtype, or ``(y, final_states)`` with
         ``return_final_states``: float32 (float64 for float64 x) ``[sequences, nheads, headdim,
         dstate]``. Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states.
+
+    In the deferred check mode (``torch_kernels.checks``) a positive ``A * dt`` is recorded, not
+    raised, and its head's y and final states are NaN; bad packing is as in :func:`chunk_simple_gla`.
     """
     _require_tensors(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
                      seq_idx=seq_idx, cu_seqlens=cu_seqlens)
@@ -380,6 +402,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     # clamp_min then clamp_max: their backwards are plain selects (torchax lowers them, not clamp's)
     step = reference.step_size(dt, dt_bias, dt_softplus, wide).clamp_min(low).clamp_max(high)
     g = A.to(wide) * step
+    growing_heads = _growing_heads(g, x.device)
+    if growing_heads is not None:
+        g = g.clamp_max(0)  # checked here, under A's name: the scan gets no positive decay to record again
     if seq_idx is not None:
         g = g.masked_fill(_boundaries(seq_idx).unsqueeze(-1), float("-inf"))
     q = reference.heads_of_groups(C.to(scan_dtype), heads)
@@ -398,9 +423,30 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if z is not None:
         y = y * F.silu(z.to(wide))
     y = y.to(x.dtype)
+    if growing_heads is not None:
+        y = y.masked_fill(growing_heads[:, None], torch.nan)
     if not return_final_states:
         return y
-    return y, final.transpose(-1, -2)
+    final = final.transpose(-1, -2)
+    if growing_heads is not None:
+        final = final.masked_fill(growing_heads[:, None, None], torch.nan)
+    return y, final
+
+
+def _growing_heads(g: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """In the deferred check mode, the heads ``[H]`` whose log decay ``g = A * dt`` is positive
+    somewhere (recorded as a bad A); None in full mode, where the scan's own check of g finds them
+    (one host read) and the error is renamed to A, and under torch.compile, where the scan's op
+    checks g when it runs."""
+    if torch.compiler.is_compiling():
+        return None
+    checks = _checks.ValueChecks(device)
+    if not checks.deferred:
+        return None
+    positive = g > 0
+    checks.add(positive, "A: expected A * dt <= 0 (A <= 0: a decaying state)")
+    checks.finish()
+    return positive.flatten(0, 1).any(0)
 
 
 # transformers' hub kernel names these ops serve (``torch_kernels.integrations.transformers.kernelize``):

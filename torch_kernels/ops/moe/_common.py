@@ -1,5 +1,5 @@
-"""What the moe family's op modules share: dtypes, argument tests, one-sync range checks, the
-backward's backend order and the per-expert byte count of the cost formulas."""
+"""What the moe family's op modules share: dtypes, argument tests, the backward's backend order
+and the per-expert byte count of the cost formulas."""
 
 from __future__ import annotations
 
@@ -27,16 +27,6 @@ def is_int(x) -> bool:
 def is_real(x) -> bool:
     """A real number that is not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def raise_first(tests) -> None:
-    """``tests``: ``(flag tensor, message function)`` pairs, read with one host sync."""
-    if not tests:
-        return
-    flags = torch.stack([flag for flag, _ in tests]).tolist()
-    for failed, (_, message) in zip(flags, tests):
-        if failed:
-            raise ValueError(message())
 
 
 def backward_order(t: torch.Tensor, implementation) -> str | None:

@@ -17,7 +17,7 @@ import torch
 from ... import _checks, backends
 from ..._library import define, register_cost, tensor_bytes
 from ...reference import moe as reference
-from ._common import FLOAT_DTYPES, backward_order, device_type, is_int, raise_first
+from ._common import FLOAT_DTYPES, backward_order, device_type, is_int
 
 GATHER, COMBINE = "moe_gather", "moe_combine"
 backends.register(GATHER, "reference", reference.moe_gather)
@@ -142,11 +142,23 @@ def check_ids(topk_ids, num_experts, num_tokens: int | None = None) -> None:
         raise ValueError(f"topk_ids: expected at least one expert per token, got shape {tuple(topk_ids.shape)}")
 
 
-def check_ids_range(topk_ids, num_experts: int) -> None:
-    """Every id is -1 (dropped) or an expert (one host sync)."""
+def routed_ids(topk_ids, num_experts: int) -> torch.Tensor:
+    """``topk_ids`` with every id that is neither -1 nor an expert made -1 (dropped): how the
+    deferred check mode routes bad ids."""
+    return torch.where((topk_ids < -1) | (topk_ids >= num_experts), -1, topk_ids)
+
+
+def check_ids_range(topk_ids, num_experts: int, checks: _checks.ValueChecks | None = None) -> torch.Tensor:
+    """Every id is -1 (dropped) or an expert. Returns the ids to route: in deferred mode a bad id
+    becomes -1 (:func:`routed_ids`). Without ``checks``, checks fully now."""
+    own = checks is None
+    checks = checks or _checks.ValueChecks(topk_ids.device, "full")
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
-    raise_first([(bad.any(), lambda: f"topk_ids: expected expert ids in [0, {num_experts}) or -1 (dropped), "
-                                      f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")])
+    checks.add(bad, f"topk_ids: expected expert ids in [0, {num_experts}) or -1 (dropped)",
+               lambda: f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")
+    if own:
+        checks.finish()
+    return routed_ids(topk_ids, num_experts) if checks.deferred else topk_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +212,10 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, m
         are zero; ``offsets`` is what :func:`grouped_mm` and ``torch.nn.functional.grouped_mm``
         take; the :class:`MoEHandle` is what :func:`moe_combine` needs. Differentiable in ``x``
         (its backward is a combine).
+
+    In the deferred check mode (``torch_kernels.checks``) an id that is neither -1 nor an expert
+    is recorded, not raised, and dropped as -1 is: that copy of its token goes nowhere and adds
+    nothing to the token's combined output.
     """
     if group is not None:
         return _group_path.dispatch(x, topk_ids, num_experts, group, max_tokens_per_rank=max_tokens_per_rank,
@@ -213,7 +229,9 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, m
     check_ids(topk_ids, num_experts, x.shape[0])
     _checks.same_device(x=x, topk_ids=topk_ids)
     if not torch.compiler.is_compiling():
-        check_ids_range(topk_ids, num_experts)
+        checks = _checks.ValueChecks(x.device)
+        topk_ids = check_ids_range(topk_ids, num_experts, checks)
+        checks.finish()
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
     x_sorted = moe_gather_op(x, token_of_row, row_of_slot, backends.implementation_arg(implementation))
     return x_sorted, offsets, MoEHandle(token_of_row, row_of_slot, int(num_experts))

@@ -11,7 +11,7 @@ from ... import _checks, backends
 from ..._library import define, register_cost, tensor_bytes
 from ...reference import moe as reference
 from ._common import FLOAT_DTYPES, FP8_DTYPES, backward_order, device_type, is_int, per_expert_bytes
-from .dispatch import check_ids, check_ids_range, combine_backward, gather_backward, moe_gather_op
+from .dispatch import check_ids, check_ids_range, combine_backward, gather_backward, moe_gather_op, routed_ids
 from .grouped_gemm import grouped_mm_op, grouped_mm_weight_grad_op
 
 FUSED = "fused_moe"
@@ -62,7 +62,9 @@ def _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_s
 def _fused_kernel(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_scale=None, w2_scale=None,
                   block_shape=None, implementation=None):
     _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_shape)
-    check_ids_range(topk_ids, w13.shape[0])
+    checks = _checks.ValueChecks(x.device)
+    topk_ids = check_ids_range(topk_ids, w13.shape[0], checks)
+    checks.finish()
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, w13.shape[0])
     plain = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
     return backends.dispatch(
@@ -115,7 +117,8 @@ def _fused_backward(ctx, d_out):
         raise RuntimeError("fused_moe: float8 weights are inference-only; call it under torch.no_grad()")
     x, w13, w2, topk_weights, topk_ids = ctx.saved_tensors
     impl = ctx.implementation
-    token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, w13.shape[0])
+    # routed as the forward was: a bad id the deferred checks let through is dropped
+    token_of_row, row_of_slot, offsets = reference.sort_by_expert(routed_ids(topk_ids, w13.shape[0]), w13.shape[0])
     # the forward recomputed through the unfused ops, then each op's backward, also ops
     acc = reference.compute_dtype(x.dtype)
     rows = moe_gather_op(x, token_of_row, row_of_slot, impl)
@@ -160,6 +163,9 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_scale=N
         ``[T, H]`` in x's dtype; the intermediate ``h`` is rounded to x's dtype between the two
         GEMMs (as vLLM does). Equals ``moe_dispatch -> grouped_mm -> activation -> grouped_mm ->
         moe_combine``; differentiable in x, w13, w2 and topk_weights for unquantized weights.
+
+    In the deferred check mode (``torch_kernels.checks``) an id that is neither -1 nor an expert
+    is recorded, not raised, and dropped as -1 is: that choice adds nothing to its token's output.
     """
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
                     ("w13_scale", w13_scale), ("w2_scale", w2_scale)):

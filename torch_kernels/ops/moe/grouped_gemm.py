@@ -8,7 +8,7 @@ import torch
 from ... import _checks, backends
 from ..._library import define, register_cost, tensor_bytes
 from ...reference import moe as reference
-from ._common import FLOAT_DTYPES, backward_order, device_type, per_expert_bytes, raise_first
+from ._common import FLOAT_DTYPES, backward_order, device_type, per_expert_bytes
 
 GROUPED_MM, WEIGHT_GRAD = "grouped_mm", "grouped_mm_weight_grad"
 backends.register(GROUPED_MM, "reference", reference.grouped_mm)
@@ -35,17 +35,34 @@ def _check_grouped(x, w, offsets, out_dtype) -> None:
     _checks.same_device(x=x, w=w, offsets=offsets)
 
 
-def check_offsets(offsets, rows: int) -> None:
-    """Offsets never decrease and stay within the rows (one host sync)."""
+def check_offsets(offsets, rows: int, checks: _checks.ValueChecks | None = None) -> tuple:
+    """Offsets never decrease and stay within the rows. Returns ``(offsets, bad)``: as given in full
+    mode (``bad`` None); in deferred mode clamped into ``[0, rows]`` and made non-decreasing, with
+    ``bad`` a 0-d flag set if any offset was bad (the rows' experts cannot then be told apart: the
+    whole output is NaN). Without ``checks``, checks fully now."""
     if offsets.numel() == 0:
-        return
+        return offsets, None
+    own = checks is None
+    checks = checks or _checks.ValueChecks(offsets.device, "full")
     decreasing = offsets[1:] < offsets[:-1]
-    raise_first([
-        (offsets[0] < 0, lambda: f"offsets: expected cumulative row ends >= 0, got {int(offsets[0])} first"),
-        (decreasing.any(), lambda: f"offsets: expected non-decreasing cumulative row ends, got "
-                                   f"{int(offsets[1:][decreasing][0])} after {int(offsets[:-1][decreasing][0])}"),
-        (offsets[-1] > rows, lambda: f"offsets: expected to end at most at the {rows} rows of x, got {int(offsets[-1])}"),
-    ])
+    failed = [
+        checks.add(offsets[0] < 0, "offsets: expected cumulative row ends >= 0",
+                   lambda: f"got {int(offsets[0])} first"),
+        checks.add(decreasing, "offsets: expected non-decreasing cumulative row ends",
+                   lambda: f"got {int(offsets[1:][decreasing][0])} after {int(offsets[:-1][decreasing][0])}"),
+        checks.add(offsets[-1] > rows, f"offsets: expected to end at most at the {rows} rows of x",
+                   lambda: f"got {int(offsets[-1])}"),
+    ]
+    if own:
+        checks.finish()
+    if not checks.deferred:
+        return offsets, None
+    return offsets.clamp(0, rows).cummax(0).values, torch.stack(failed).any()
+
+
+def _nan_if(out: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
+    """``out``, all NaN where deferred checks flagged its offsets ``bad``."""
+    return out if bad is None else out.masked_fill_(bad, torch.nan)
 
 
 def _weight_layout(w):
@@ -60,12 +77,14 @@ def _weight_layout(w):
 
 def _grouped_kernel(x, w, offsets, out_dtype=None, implementation=None):
     _check_grouped(x, w, offsets, out_dtype)
-    check_offsets(offsets, x.shape[0])
+    checks = _checks.ValueChecks(x.device)
+    offsets, bad = check_offsets(offsets, x.shape[0], checks)
+    checks.finish()
     if not x.shape[1] or not w.shape[2]:  # nothing to multiply: the same zeros on every backend
-        return x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
+        return _nan_if(x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype), bad)
     tensor, transposed = _weight_layout(w)
-    return backends.dispatch(GROUPED_MM, device_type(x), implementation, x.contiguous(), tensor,
-                             offsets.long().contiguous(), out_dtype or x.dtype, transposed)
+    return _nan_if(backends.dispatch(GROUPED_MM, device_type(x), implementation, x.contiguous(), tensor,
+                                     offsets.long().contiguous(), out_dtype or x.dtype, transposed), bad)
 
 
 def _grouped_fake(x, w, offsets, out_dtype=None, implementation=None):
@@ -91,10 +110,13 @@ def _grouped_backward(ctx, d_out):
 
 
 def _weight_grad_kernel(x, dy, offsets, num_experts, out_dtype, implementation=None):
+    checks = _checks.ValueChecks(x.device)
+    offsets, bad = check_offsets(offsets, x.shape[0], checks)
+    checks.finish()
     if not (x.shape[1] and dy.shape[1] and num_experts):  # an empty gradient (grouped_mm with K, N or E 0)
-        return x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype)
-    return backends.dispatch(WEIGHT_GRAD, device_type(x), implementation, x.contiguous(), dy.contiguous(),
-                             offsets.long().contiguous(), num_experts, out_dtype)
+        return _nan_if(x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype), bad)
+    return _nan_if(backends.dispatch(WEIGHT_GRAD, device_type(x), implementation, x.contiguous(), dy.contiguous(),
+                                     offsets.long().contiguous(), num_experts, out_dtype), bad)
 
 
 def _weight_grad_fake(x, dy, offsets, num_experts, out_dtype, implementation=None):
@@ -125,6 +147,10 @@ def grouped_mm(x, w, offsets, out_dtype=None, implementation=None):
     Returns:
         ``[M, N]``; rows past ``offsets[-1]`` are zero. Differentiable in ``x``
         (``grouped_mm(dy, w^T)``) and ``w`` (``x_e^T dy_e`` per expert).
+
+    In the deferred check mode (``torch_kernels.checks``) bad offsets are recorded, not raised, and
+    the kernels get them clamped into ``[0, M]`` and non-decreasing; the whole output (and the
+    gradients) is then NaN, since which rows went to which expert is unknown.
     """
     _checks.tensor("x", x)
     _checks.tensor("w", w)
