@@ -414,3 +414,15 @@ with env:
     assert torch.equal(state.to("cpu"), want_state.float())
 print("torchax ok")
 """
+
+
+@pytest.mark.parametrize("backend", backend_params(UPDATE))
+def test_ring_position_near_int32s_end(backend):
+    """cache_seqlens + L past 2**31 - 1: the two new steps land at ring positions 1 and 2 of a
+    3-column state (Pallas' int32 sum wrapped and wrote [0, 2, 0])."""
+    require_backend(backend)
+    state = torch.zeros(1, 1, 3)
+    out = torch_kernels.causal_conv1d_update(torch.tensor([[[1.0, 2.0]]]), state, torch.ones(1, 2),
+                                             cache_seqlens=torch.tensor([2**31 - 1], dtype=torch.int32),
+                                             implementation=backend)
+    assert state.tolist() == [[[0.0, 1.0, 2.0]]] and out.tolist() == [[[1.0, 3.0]]]
