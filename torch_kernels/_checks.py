@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import threading
 from typing import Callable
@@ -34,6 +35,35 @@ def same_device(**tensors: torch.Tensor) -> None:
 def size(name: str, dim: int, got: int, expected: int, what: str) -> None:
     if got != expected:
         raise ValueError(f"{name}: expected size {expected} in dimension {dim} ({what}), got {got}")
+
+
+def entries_apart(t: torch.Tensor) -> bool:
+    """Whether no two entries of ``t`` share memory: sorted by stride, each dimension steps past
+    everything the smaller ones reach (sufficient, and met by every slice and permutation of a
+    tensor, such as the halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache)."""
+    shape, strides = tuple(t.shape), t.stride()
+    try:
+        return _strides_apart(shape, strides)
+    except TypeError:  # symbolic sizes (fake tensors while compiling) do not hash
+        return _strides_apart.__wrapped__(shape, strides)
+
+
+@functools.lru_cache(maxsize=256)  # a model's caches share a few layouts; checked on every call
+def _strides_apart(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+def written_in_place(name: str, value: torch.Tensor) -> None:
+    """``value`` is written in place by the op: no two of its entries may share memory (an expanded
+    stride-0 view would have every backend write through it differently)."""
+    if not entries_apart(value):
+        raise ValueError(f"{name}: expected no two entries sharing memory (it is written in place), got strides "
+                         f"{value.stride()} for shape {tuple(value.shape)}")
 
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1

@@ -97,6 +97,7 @@ UPDATE = [
     ("conv_state channels", "conv_state", ValueError, map_arg("conv_state", lambda t: t[:, :5])),
     ("conv_state shorter than width - 1", "conv_state", ValueError, map_arg("conv_state", lambda t: t[..., :2])),
     ("conv_state 2-D", "conv_state", ValueError, map_arg("conv_state", lambda t: t[0])),
+    ("conv_state rows sharing memory", "conv_state", ValueError, map_arg("conv_state", lambda t: t[:1].expand(t.shape))),
     ("conv_state rows without indices", "conv_state", ValueError, set_arg("conv_state_indices", None)),
     ("conv_state_indices past the rows", "conv_state_indices", ValueError, set_at("conv_state_indices", 1, 4)),
     ("conv_state_indices repeated", "conv_state_indices", ValueError, set_at("conv_state_indices", 1, 3)),

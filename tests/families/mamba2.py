@@ -113,6 +113,7 @@ UPDATE = [
     ("x Mamba-1's 2-D with a 4-D state", "state", ValueError, map_arg("x", lambda t: t[:, 0])),
     ("x int", "x", TypeError, map_arg("x", lambda t: t.int())),
     ("state 3-D", "state", ValueError, map_arg("state", lambda t: t[0])),
+    ("state rows sharing memory", "state", ValueError, map_arg("state", lambda t: t[:1].expand(t.shape))),
     ("state dstate", "state", ValueError, map_arg("state", lambda t: t[..., :5])),
     ("state rows without indices", "state", ValueError, set_arg("state_batch_indices", None)),
     ("state a list", "state", TypeError, map_arg("state", lambda t: t.tolist())),

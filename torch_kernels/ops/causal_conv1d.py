@@ -99,6 +99,7 @@ def check_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, 
     width = check_filter(weight, bias, dim)
     _checks.tensor("conv_state", conv_state, ndim=3, dtypes=(x.dtype,))
     _checks.size("conv_state", 1, conv_state.shape[1], dim, "channels D of x")
+    _checks.written_in_place("conv_state", conv_state)
     if conv_state.shape[2] < width - 1:
         raise ValueError(f"conv_state: expected a state length of at least width - 1 = {width - 1}, "
                          f"got shape {tuple(conv_state.shape)}")

@@ -156,6 +156,7 @@ def check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indice
     if heads == 0 or headdim == 0:
         raise ValueError(f"x: expected nheads and headdim >= 1, got shape {tuple(x.shape)}")
     _checks.tensor("state", state, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+    _checks.written_in_place("state", state)
     dstate = _check_groups("B", B, (batch,), heads, None)
     _check_groups("C", C, (batch,), heads, dstate)
     if C.shape[1] != B.shape[1]:

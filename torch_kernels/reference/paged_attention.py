@@ -52,6 +52,7 @@ import math
 
 import torch
 
+from .._checks import entries_apart
 from .._memo import LastBatch
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -63,27 +64,6 @@ _KEY_TILE_ELEMENTS = 1 << 22
 _LOGIT_TILE_ELEMENTS = 1 << 22
 # A group of units closes before padding them to its widest would waste this share of its work.
 _GROUP_WASTE = 0.25
-
-
-def entries_apart(t: torch.Tensor) -> bool:
-    """Whether no two entries of ``t`` share memory: sorted by stride, each dimension steps past
-    everything the smaller ones reach (sufficient, and met by every slice and permutation of a
-    tensor, such as the halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache)."""
-    shape, strides = tuple(t.shape), t.stride()
-    try:
-        return _strides_apart(shape, strides)
-    except TypeError:  # symbolic sizes (fake tensors while compiling) do not hash
-        return _strides_apart.__wrapped__(shape, strides)
-
-
-@functools.lru_cache(maxsize=256)  # a model's caches share a few layouts; checked on every call
-def _strides_apart(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    reach = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
-        if stride <= reach:
-            return False
-        reach += stride * (size - 1)
-    return True
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
