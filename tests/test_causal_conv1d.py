@@ -426,3 +426,23 @@ def test_ring_position_near_int32s_end(backend):
                                              cache_seqlens=torch.tensor([2**31 - 1], dtype=torch.int32),
                                              implementation=backend)
     assert state.tolist() == [[[0.0, 1.0, 2.0]]] and out.tolist() == [[[1.0, 3.0]]]
+
+
+@pytest.mark.parametrize("backend", backend_params(FN))
+def test_empty_sizes_give_empty_results_on_every_backend(backend):
+    """One rule for empty sizes: an empty result (and the state untouched). Before: Pallas read out
+    of bounds at batch 0 and divided by zero at T or D 0, the reference raised torch's conv errors."""
+    require_backend(backend)
+    for x, weight in ((torch.zeros(0, 4, 5), torch.ones(4, 3)), (torch.zeros(2, 4, 0), torch.ones(4, 3)),
+                      (torch.zeros(2, 0, 5), torch.ones(0, 3))):
+        assert torch_kernels.causal_conv1d_fn(x, weight, implementation=backend).shape == x.shape
+    out, final = torch_kernels.causal_conv1d_fn(torch.zeros(2, 4, 0), torch.ones(4, 3), initial_states=torch.ones(2, 4, 2),
+                                                return_final_states=True, implementation=backend)
+    assert out.shape == (2, 4, 0) and torch.equal(final, torch.ones(2, 4, 2))
+    x = torch.zeros(2, 4, 0, requires_grad=True)
+    torch_kernels.causal_conv1d_fn(x, torch.ones(4, 3), implementation=backend).sum().backward()
+    assert x.grad.shape == x.shape
+    for x, state in ((torch.zeros(0, 4), torch.zeros(0, 4, 3)), (torch.zeros(2, 4, 0), torch.full((2, 4, 3), 5.0))):
+        before = state.clone()
+        out = torch_kernels.causal_conv1d_update(x, state, torch.ones(4, 3), implementation=backend)
+        assert out.shape == x.shape and torch.equal(state, before)

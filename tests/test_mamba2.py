@@ -485,3 +485,15 @@ with env:
     assert_close(state.to("cpu"), want_state, torch.float32, what="state")
 print("torchax ok")
 """
+
+
+@pytest.mark.parametrize("backend", backend_params(UPDATE))
+def test_an_empty_batch_gives_an_empty_result_on_every_backend(backend):
+    """No entry: an empty output and the state untouched (Pallas read out of bounds before)."""
+    require_backend(backend)
+    state = torch.full((2, 2, 3, 4), 5.0)
+    out = torch_kernels.selective_state_update(state, torch.zeros(0, 2, 3), torch.zeros(0, 2, 3), -torch.ones(2, 3, 4),
+                                               torch.zeros(0, 1, 4), torch.zeros(0, 1, 4),
+                                               state_batch_indices=torch.zeros(0, dtype=torch.int32),
+                                               implementation=backend)
+    assert out.shape == (0, 2, 3) and (state == 5.0).all()

@@ -168,6 +168,8 @@ def _forward_kernel(x, weight, bias=None, seq_idx=None, initial_states=None, act
     checks = _checks.ValueChecks(x.device)
     ids = _checks.int32_values("seq_idx", seq_idx, checks)
     checks.finish()
+    if x.numel() == 0:  # no batch, channel or step: nothing to convolve, on every backend alike
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, x.detach(), _contiguous(weight),
                             _contiguous(bias), ids, _contiguous(initial_states), check_activation(activation))
     if checks.deferred and seq_idx is not None:
@@ -260,6 +262,8 @@ def _update_kernel(x, conv_state, weight, bias=None, activation=None, cache_seql
     cache_seqlens = _checks.int32_values("cache_seqlens", cache_seqlens, checks)
     conv_state_indices = _checks.int32_values("conv_state_indices", conv_state_indices, checks)
     checks.finish()
+    if x.numel() == 0:  # no entry, channel or step: the state stays as it is, on every backend alike
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     steps = x if x.dim() == 3 else x[..., None]
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, steps.contiguous(), conv_state,
                             weight.contiguous(), _contiguous(bias), check_activation(activation),

@@ -227,6 +227,8 @@ def _update_kernel(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
     rows, bad_entries = check_update_values(state, state_batch_indices, checks)
     rows = _checks.int32_values("state_batch_indices", rows, checks)
     checks.finish()
+    if x.numel() == 0:  # no entry, head or channel: the state stays as it is, on every backend alike
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     out = backends.dispatch(UPDATE_OP, _device_type(x), implementation, state, x.contiguous(), dt, A,
                             B.contiguous(), C.contiguous(), D, _contiguous(z), dt_bias, bool(dt_softplus), rows)
     if bad_entries is not None:
