@@ -485,3 +485,26 @@ def test_lse_is_nan_for_a_nan_query_or_an_inf_key(backend):
     _, lse = ops.ragged_paged_mla(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, 0.25, topk_indices=topk,
                                   return_lse=True, implementation=backend)
     assert torch.isnan(lse[0, 1]) and torch.isfinite(lse[0, 0]) and (lse[1] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", backend_params(ops.OP))
+def test_empty_sizes_follow_one_rule_on_every_backend(backend):
+    """No head: empty results; no query or sequence: empty results; an indexer with no head ranks
+    by position (every score the empty sum 0). Before: ZeroDivisionError and interpreter errors on
+    some backends, results on others."""
+    require_backend(backend)
+    gen = torch.Generator().manual_seed(3)
+    cache, k_cache = torch.randn(4, 8, 24, generator=gen), torch.randn(4, 8, 8, generator=gen)
+    cu, kv = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    out, lse = ops.ragged_paged_mla(torch.randn(3, 0, 16), torch.randn(3, 0, 8), cache, cu, kv, table, 0.2,
+                                    return_lse=True, implementation=backend)
+    assert out.shape == (3, 0, 16) and lse.shape == (3, 0)
+    none = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32)
+    out, lse = ops.ragged_paged_mla(torch.randn(0, 2, 16), torch.randn(0, 2, 8), cache, *none, 0.2, return_lse=True,
+                                    implementation=backend)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+    got = ops.indexer_topk(torch.randn(0, 2, 8), k_cache, torch.randn(0, 2), *none, 4, implementation=backend)
+    assert got.shape == (0, 4) and got.dtype == torch.int32
+    got = ops.indexer_topk(torch.randn(3, 0, 8), k_cache, torch.randn(3, 0), cu, kv, table, 4, implementation=backend)
+    assert got.tolist() == [[0, 1, 2, 3]] * 3

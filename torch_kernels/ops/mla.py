@@ -62,11 +62,20 @@ def _check_scale(name: str, scale) -> None:
         raise ValueError(f"{name}: expected one float32 scale ([] or [1]), got shape {tuple(scale.shape)}")
 
 
+def _check_parts(latent_name: str, latent: torch.Tensor, rope_name: str, rope: torch.Tensor) -> None:
+    """An empty latent or RoPE part is no MLA layer (DeepSeek's are 512 and 64); the kernels tile both."""
+    if latent.shape[-1] == 0:
+        raise ValueError(f"{latent_name}: expected a latent size Lr >= 1, got shape {tuple(latent.shape)}")
+    if rope.shape[-1] == 0:
+        raise ValueError(f"{rope_name}: expected a RoPE size R >= 1, got shape {tuple(rope.shape)}")
+
+
 def check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
     """Shapes, dtypes and devices of a ``mla_reshape_and_cache`` call (no data read)."""
     _checks.tensor("kv_c", kv_c, ndim=2, dtypes=paged.QUERY_DTYPES)
     _checks.tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,))
     _checks.size("k_pe", 0, k_pe.shape[0], kv_c.shape[0], "tokens T of kv_c")
+    _check_parts("kv_c", kv_c, "k_pe", k_pe)
     _check_cache(kv_cache, kv_c.dtype, kv_c.shape[1] + k_pe.shape[1], "Lr + R of kv_c and k_pe")
     _checks.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=paged.SLOT_DTYPES)
     _checks.size("slot_mapping", 0, slot_mapping.shape[0], kv_c.shape[0], "tokens T of kv_c")
@@ -84,6 +93,7 @@ def check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_sca
     if tuple(q_pe.shape[:2]) != (num_tokens, num_heads):
         raise ValueError(f"q_pe: expected tokens and heads {(num_tokens, num_heads)} (as q_nope), "
                          f"got shape {tuple(q_pe.shape)}")
+    _check_parts("q_nope", q_nope, "q_pe", q_pe)
     _check_cache(kv_cache, q_nope.dtype, q_nope.shape[2] + q_pe.shape[2], "Lr + R of q_nope and q_pe")
     _checks.tensor("cu_q_lens", cu_q_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
     _checks.tensor("kv_lens", kv_lens, ndim=1, dtypes=(paged.INDEX_DTYPE,))
@@ -178,6 +188,9 @@ def _attention_kernel(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, s
     checks.finish()
     if topk_indices is not None:
         topk_indices = deduplicated(topk_indices)
+    if q_nope.shape[1] == 0:  # no head: an empty result on every backend alike
+        return (torch.empty_like(q_nope, memory_format=torch.contiguous_format),
+                q_nope.new_empty(q_nope.shape[:2], dtype=torch.float32))
     out, lse = backends.dispatch(OP, _device_type(q_nope), implementation, q_nope.contiguous(), q_pe.contiguous(),
                                  kv_cache, cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(),
                                  float(sm_scale), topk_indices, _scale(kv_scale, q_nope.device))
@@ -235,6 +248,10 @@ def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k,
     cu_q_lens, kv_lens, block_table, bad_rows = paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table,
                                                                     checks)
     checks.finish()
+    if q.shape[0] == 0:  # no query: an empty result on every backend alike
+        return q.new_empty((0, top_k), dtype=torch.int32)
+    if q.shape[1] == 0:  # no head: every score is the empty sum 0 (one zero head gives the same ranking)
+        q, weights = q.new_zeros(q.shape[0], 1, q.shape[2]), weights.new_zeros(q.shape[0], 1)
     indices = backends.dispatch(INDEXER_OP, _device_type(q), implementation, q.contiguous(), k_cache,
                                 weights.contiguous(), cu_q_lens.contiguous(), kv_lens.contiguous(),
                                 block_table.contiguous(), top_k)
