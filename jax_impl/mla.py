@@ -261,7 +261,11 @@ def _indexer_kernel(token_seq_ref, cu_ref, kv_lens_ref, table_ref, q_ref, w_ref,
         keys = jnp.where(position < seen_end, buf[...].reshape(kv_tile, -1).astype(jnp.float32), 0.0)
         dots = jax.lax.dot_general(q, keys.astype(dot_dtype), (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)  # [Hi, kv_tile]
-        scores = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)  # relu keeps NaN
+        terms = jnp.maximum(dots, 0.0) * w  # relu keeps NaN
+        # positive and negative weights' terms summed apart: an overflow is +inf or -inf whatever
+        # the fusing of the sum, and both ways NaN (see indexer_topk)
+        scores = (jnp.sum(jnp.where(w < 0, 0.0, terms), axis=0, keepdims=True)
+                  + jnp.sum(jnp.where(w < 0, terms, 0.0), axis=0, keepdims=True))
         visible = start + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tile), 1) < seen_end
         o_ref[0, :, pl.ds(start, kv_tile)] = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
         return carry

@@ -239,13 +239,16 @@ void indexer_topk(__global const q_t *q, __global const q_t *k_cache, __global c
                 const uint page = (uint)pos / (uint)block_size, offset = (uint)pos - page * (uint)block_size;
                 const long row = cache_base + (long)block_table[(long)seq * max_blocks + page] * block_stride
                                  + (long)offset * slot_stride;
-                float score = 0.0f;
+                // the positive and negative weights' terms summed apart: an overflow is then +inf or
+                // -inf whatever the order or fusing of the sums, and both ways NaN (see indexer_topk)
+                float up = 0.0f, down = 0.0f;
                 for (int h = 0; h < HI; ++h) {
                     float dot = 0.0f;
                     for (int d = 0; d < DI; ++d) dot = fma(QS(h, d), LOAD(Q_KIND, k_cache, row + d), dot);
-                    score += ws[h] * (isnan(dot) ? dot : fmax(dot, 0.0f));  // relu keeping NaN
+                    const float term = ws[h] * (isnan(dot) ? dot : fmax(dot, 0.0f));  // relu keeping NaN
+                    if (ws[h] < 0.0f) down += term; else up += term;
                 }
-                key = score_key(score, pos);
+                key = score_key(up + down, pos);
             }
             candidates[i] = key;
         }

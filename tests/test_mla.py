@@ -508,3 +508,21 @@ def test_empty_sizes_follow_one_rule_on_every_backend(backend):
     assert got.shape == (0, 4) and got.dtype == torch.int32
     got = ops.indexer_topk(torch.randn(3, 0, 8), k_cache, torch.randn(3, 0), cu, kv, table, 4, implementation=backend)
     assert got.tolist() == [[0, 1, 2, 3]] * 3
+
+
+@pytest.mark.parametrize("backend", backend_params(ops.INDEXER_OP))
+def test_indexer_overflow_follows_one_rule(backend):
+    """Finite inputs whose score overflows float32: positive-weight overflow ranks first, and terms
+    overflowing both ways (weights +-1e30 on a 1e10 dot) give NaN, ranked last, on every backend
+    (the fused multiply-adds of some backends made it +inf there, ranked first)."""
+    require_backend(backend)
+    k_cache = torch.zeros(1, 16, 16)
+    k_cache[0, :4, 0] = torch.tensor([1.0, 1e10, 2.0, 3.0])
+    q = torch.zeros(1, 2, 16)
+    q[0, :, 0] = 1.0
+    args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), 4)
+    both_ways = ops.indexer_topk(q, k_cache, torch.tensor([[1e30, -1e30]]), *args, implementation=backend)
+    assert both_ways.tolist() == [[0, 2, 3, 1]]  # the finite scores cancel to 0: position order, NaN last
+    one_way = ops.indexer_topk(q, k_cache, torch.tensor([[1e30, 1e30]]), *args, implementation=backend)
+    assert one_way.tolist() == [[1, 3, 2, 0]]

@@ -279,9 +279,14 @@ def indexer_topk_kernel(
                 else:
                     dots = tl.dot(q, k, out_dtype=tl.float32)
                 # relu keeping NaN (then ranked as -inf, as the reference ranks it); padding heads
-                # add nothing (their 0 weight times an inf dot would be NaN)
+                # add nothing (their 0 weight times an inf dot would be NaN); the positive and negative
+                # weights' terms summed apart, so an overflow is +inf or -inf whatever the fusing of
+                # the sums, and both ways NaN (see indexer_topk)
                 weighted = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
-                score = tl.sum(tl.where(heads[:, None] < HI, weighted, 0.0), axis=0)
+                real = heads[:, None] < HI
+                down = w[:, None] < 0.0
+                score = (tl.sum(tl.where(real & ~down, weighted, 0.0), axis=0)
+                         + tl.sum(tl.where(real & down, weighted, 0.0), axis=0))
                 # higher score first, then lower position: the position, reversed, in the low bits
                 key = (_ordered(score) << 32) | (2147483647 - pos).to(tl.int64)
                 tl.store(scratch_ptr + t.to(tl.int64) * TOPK_P + first + tl.arange(0, BLOCK_N),

@@ -424,7 +424,10 @@ def indexer_topk(
     ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32, over the positions it sees causally
     (as :func:`ragged_paged_mla` defines them). Each row lists the ``top_k`` best, highest score
     first, equal scores lower position first (deterministic on every backend), then -1 where the
-    query sees fewer than ``top_k`` positions. NaN scores rank as -inf.
+    query sees fewer than ``top_k`` positions. NaN scores rank as -inf. Overflow, on every backend
+    alike: a score is the float32 sum of its positive-weight heads' terms plus that of its
+    negative-weight heads' terms, so finite inputs whose score passes float32's range score +inf
+    (ranked first) or -inf (last), and NaN (last) when both sums overflow.
 
     Args:
         q: ``[T, Hi, Di]``, float16, bfloat16 or float32 (the indexer's queries).

@@ -99,8 +99,11 @@ def indexer_topk(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k: in
         if start == end:
             continue
         keys = sequence_rows(k_cache, block_table, s, kv_len, 1.0)
-        scores = torch.einsum("qhd,kd->qhk", q[start:end].float(), keys).relu()
-        scores = torch.einsum("qhk,qh->qk", scores, weights[start:end].float()).nan_to_num(nan=float("-inf"))
+        terms = torch.einsum("qhd,kd->qhk", q[start:end].float(), keys).relu() * weights[start:end, :, None].float()
+        # the positive and negative weights' terms summed apart: an overflow is +inf or -inf, both ways NaN
+        down = weights[start:end, :, None] < 0
+        scores = terms.masked_fill(down, 0.0).sum(1) + terms.masked_fill(~down, 0.0).sum(1)
+        scores = scores.nan_to_num(nan=float("-inf"))
         seen = visible(end - start, kv_len).to(scores.device)
         # a stable sort keeps equal scores in position order; unseen positions follow every seen one
         # of equal score because they come later in the row, and are then replaced by -1
