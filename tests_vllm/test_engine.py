@@ -108,6 +108,24 @@ def test_multiprocess_engine_loads_plugin_in_its_processes(multiprocess_run, plu
     assert _tokens(multiprocess_run) == _short(_tokens(plugin_runs["float32"]))
 
 
+COMPILED_ON_CPU = {"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor", "cudagraph_mode": "NONE"}
+
+
+def test_compiled_model_tokens_equal_builtin(plugin_runs, builtin_runs):
+    """``enforce_eager=False``: vLLM's CPU platform traces the model once with dynamo and compiles it
+    with inductor, the attention op opaque inside (the plugin's op runs at every step), and turns
+    CUDA graphs off (it has none). The compiled model gives vLLM's own backend's tokens."""
+    run, eager = plugin_runs["float32_compiled"], plugin_runs["float32"]
+    assert run["compilation"] == COMPILED_ON_CPU
+    assert eager["compilation"]["mode"] == builtin_runs["float32"]["compilation"]["mode"] == "NONE"
+    calls = _attention_only(run, PLUGIN_ATTENTION, SMOLLM2_LAYERS)
+    assert len(set(calls)) == 1 and calls[0] >= conftest.SHORT_MAX_TOKENS  # once per layer per step
+    assert _tokens(run) == _short(_tokens(builtin_runs["float32"])) == _short(_tokens(eager))
+    print(f"\ncompiled SmolLM2 on torch_kernels: engine start {run['start_seconds']:.1f} s against "
+          f"{eager['start_seconds']:.1f} s eager; {conftest.SHORT_PROMPTS} prompts x {conftest.SHORT_MAX_TOKENS} "
+          f"tokens in {run['rounds'][0]['seconds']:.2f} s")
+
+
 def _agreement(run: dict, truth: list[list[int]]) -> tuple[int, int]:
     """(prompts whose tokens equal the truth's, leading tokens that agree in all)."""
     tokens = _tokens(run)

@@ -17,9 +17,12 @@ vllm = pytest.importorskip("vllm", reason=conftest.SKIP_REASON)
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+import torch_kernels  # noqa: E402
 
 from torch_kernels.integrations import vllm as plugin  # noqa: E402
 from torch_kernels.reference.paged_attention import ragged_paged_attention_naive  # noqa: E402
@@ -294,3 +297,111 @@ def test_mla_impl_writes_and_reads_vllm_latent_cache_in_place(kv_cache_dtype):
             expected[token] = weights @ c
             token += 1
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- CUDA graphs: the builders' declared support and their persistent buffers ----
+
+BUILDERS = [plugin.TorchKernelsAttentionMetadataBuilder, plugin.TorchKernelsMLAMetadataBuilder]
+GRAPH_BLOCK_SIZE = 8
+
+
+def _builder(builder_cls, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64):
+    """A builder as vLLM makes one per KV-cache group, on a config of the fields it reads."""
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        model_config=SimpleNamespace(max_model_len=max_model_len), device_config=SimpleNamespace(device="cpu"))
+    spec = FullAttentionSpec(block_size=GRAPH_BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return builder_cls(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu")), config, spec
+
+
+def _vllm_batch(q_lens, kv_lens, block_table, num_actual_tokens=None, slots=None, max_seq_len=None):
+    """vLLM's description of a step as its model runner fills it: views of its persistent buffers.
+    Under a full CUDA graph vLLM pads the tokens to the captured count (``num_actual_tokens``, the
+    padded rows' slots -1) and adds padding requests (no query tokens, length 0, block table rows of
+    the null block 0); ``query_start_loc`` ends at the real tokens."""
+    offsets = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    real = int(offsets[-1])
+    rows = num_actual_tokens or real
+    slot_mapping = torch.full((rows,), -1, dtype=torch.int64)
+    if slots is not None:
+        slot_mapping[:real] = torch.tensor(slots)
+    return CommonAttentionMetadata(
+        query_start_loc=offsets, query_start_loc_cpu=offsets.clone(), seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        num_reqs=len(q_lens), num_actual_tokens=rows, max_query_len=max(q_lens),
+        max_seq_len=max_seq_len or max(kv_lens), block_table_tensor=torch.tensor(block_table, dtype=torch.int32),
+        slot_mapping=slot_mapping)
+
+
+@pytest.mark.parametrize("builder_cls", BUILDERS, ids=["attention", "mla"])
+def test_builders_declare_cudagraph_support(builder_cls):
+    """ALWAYS (full graphs of mixed batches) in the deferred check mode, the default on accelerators;
+    NEVER in the full mode, whose host reads a graph cannot hold."""
+    assert builder_cls._cudagraph_support is AttentionCGSupport.ALWAYS
+    _, config, spec = _builder(builder_cls)
+    with torch_kernels.checks("deferred"):
+        assert builder_cls.get_cudagraph_support(config, spec) is AttentionCGSupport.ALWAYS
+    with torch_kernels.checks("full"):
+        assert builder_cls.get_cudagraph_support(config, spec) is AttentionCGSupport.NEVER
+
+
+@pytest.mark.parametrize("builder_cls", BUILDERS, ids=["attention", "mla"])
+def test_builder_metadata_lives_in_persistent_buffers(builder_cls):
+    """Every build, capture included, hands out views of the same buffers (a captured graph reads
+    later steps' metadata from them), filled with the step's batch; the slots stay vLLM's tensor."""
+    builder, _, _ = _builder(builder_cls)
+    # a mixed step: a prefill chunk after 5 cached tokens, a decode after 10; the rows of padding
+    # requests in vLLM's block table are the null block 0
+    mixed = _vllm_batch([7, 1], [12, 11], [[3, 7, 0, 0, 0, 0, 0, 0], [9, 1, 5, 0, 0, 0, 0, 0]])
+    # a full graph's step: two decodes and two padding requests, the tokens padded from 2 to 5
+    padded = _vllm_batch([1, 1, 0, 0], [20, 3, 0, 0],
+                         [[4, 2, 6, 0, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0, 0, 0]] + [[0] * 8] * 2, num_actual_tokens=5)
+    captured = builder.build_for_cudagraph_capture(padded)
+    fields = ("cu_q_lens", "kv_lens", "block_table")
+    pointers = {name: getattr(captured, name).data_ptr() for name in fields}
+    # a graph captured over the padded step; each capture sequence's kv length cut to its query length
+    assert captured.cu_q_lens.tolist() == [0, 1, 2, 2, 2, 5] and captured.kv_lens.tolist() == [1, 1, 0, 0, 3]
+    for batch in (mixed, padded):
+        metadata = builder.build(0, batch)
+        assert {name: getattr(metadata, name).data_ptr() for name in fields} == pointers
+        assert metadata.slot_mapping.data_ptr() == batch.slot_mapping.data_ptr()
+        assert metadata.block_table.is_contiguous()  # the op makes no copy of it
+        n = batch.num_reqs
+        # vLLM's requests, then a sequence holding the rows past vLLM's last offset (none: empty)
+        assert metadata.num_actual_tokens == batch.num_actual_tokens
+        assert metadata.cu_q_lens.tolist() == [*batch.query_start_loc.tolist(), batch.num_actual_tokens]
+        padding_rows = batch.num_actual_tokens - int(batch.query_start_loc[-1])
+        assert metadata.kv_lens.tolist() == [*batch.seq_lens.tolist(), padding_rows]
+        pages = -(-batch.max_seq_len // GRAPH_BLOCK_SIZE)
+        assert torch.equal(metadata.block_table[:n, :pages], batch.block_table_tensor[:, :pages])
+        assert not metadata.block_table[n, :-(-padding_rows // GRAPH_BLOCK_SIZE)].any()  # the null block
+    assert builder.build(0, mixed).kv_lens.tolist() == [12, 11, 0]
+    assert builder.build(0, padded).kv_lens.tolist() == [20, 3, 0, 0, 3]
+
+
+@pytest.mark.parametrize("mode", ["full", "deferred"])
+def test_impl_runs_a_full_graph_padded_step(mode):
+    """A step as a full CUDA graph replays it (tokens padded, padding requests) gives the real rows
+    the unpadded step's output, in both check modes (the deferred checks record nothing: the
+    padding is a legal batch), and writes only the real tokens into the cache."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, num_blocks = 4, 2, 32, 12
+    builder, _, _ = _builder(plugin.TorchKernelsAttentionMetadataBuilder)
+    table = [[3, 7, 0, 0, 0, 0, 0, 0], [9, 1, 5, 0, 0, 0, 0, 0]]
+    slots = [int(table[s][p // GRAPH_BLOCK_SIZE]) * GRAPH_BLOCK_SIZE + p % GRAPH_BLOCK_SIZE
+             for s, (q, kv) in enumerate([(7, 12), (1, 11)]) for p in range(kv - q, kv)]
+    real = _vllm_batch([7, 1], [12, 11], table, slots=slots)
+    padded = _vllm_batch([7, 1, 0], [12, 11, 0], table + [[0] * 8], num_actual_tokens=12, slots=slots)
+    query = torch.randn(12, num_heads, head_size)
+    key, value = torch.randn(12, num_kv_heads, head_size), torch.randn(12, num_kv_heads, head_size)
+    cache = _vllm_cache(num_blocks, num_kv_heads, GRAPH_BLOCK_SIZE, head_size, torch.float32, (0, 2, 1, 3))
+    with set_current_vllm_config(VllmConfig()):
+        impl = plugin.TorchKernelsAttentionImpl(num_heads, head_size, head_size ** -0.5, num_kv_heads)
+    layer = _Layer(1.0, 1.0)
+    expected, expected_cache = torch.zeros(8, num_heads, head_size), cache.clone()
+    impl.forward(layer, query[:8], key[:8], value[:8], expected_cache, builder.build(0, real), expected)
+    output = torch.full((12, num_heads, head_size), 7.0)
+    with torch_kernels.checks(mode):
+        impl.forward(layer, query, key, value, cache, builder.build(0, padded), output)
+        torch_kernels.raise_deferred_errors()
+    torch.testing.assert_close(output[:8], expected, rtol=0, atol=0)
+    assert torch.equal(cache, expected_cache)

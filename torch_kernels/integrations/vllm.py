@@ -21,8 +21,11 @@ halves, permuted to the ops' ``[num_blocks, block_size, Hkv, D]``, are strided v
 :func:`torch_kernels.ragged_paged_attention` writes (the new tokens, fused into the call) and reads.
 The MLA backend does the same with vLLM's latent cache ``[num_blocks, block_size, Lr + R]``
 (:func:`torch_kernels.mla_reshape_and_cache`, then :func:`torch_kernels.ragged_paged_mla`).
-Per step, the metadata builder turns vLLM's batch description into the ops' arguments once; each
-layer then makes one op call (two for MLA: the write, the attention).
+Per step, the metadata builder turns vLLM's batch description into the ops' arguments once, by
+device copies into buffers it allocated at construction (no host read of device data); each
+layer then makes one op call (two for MLA: the write, the attention). Both backends declare
+CUDA-graph support ``ALWAYS`` while the ops check values in the deferred mode (the default off
+the CPU): see ``_PersistentBatchBuilder``.
 
 This module is the only one in torch_kernels that imports vLLM. It is tested with the versions in
 ``SUPPORTED_VLLM_VERSIONS``; selected under another version, it refuses with a message. (A vLLM
@@ -46,6 +49,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -54,6 +58,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from .. import _checks
 from ..ops.mla import mla_reshape_and_cache, ragged_paged_mla
 from ..ops.moe import fused_moe
 from ..ops.paged_attention import ragged_paged_attention
@@ -205,48 +210,99 @@ class TorchKernelsAttentionBackend(AttentionBackend):
 
 @dataclasses.dataclass
 class TorchKernelsAttentionMetadata:
-    """One step's batch in the ops' terms, shared by every layer of a KV-cache group."""
+    """One step's batch in the ops' terms, shared by every layer of a KV-cache group. Built by a
+    builder, the tensors are views of its persistent buffers (the same memory every step)."""
 
-    num_actual_tokens: int  # query rows past this are padding
-    cu_q_lens: torch.Tensor  # int32 [S + 1]
+    num_actual_tokens: int  # query rows the layers pass (under a full CUDA graph, padding included)
+    cu_q_lens: torch.Tensor  # int32 [S + 1], ending at num_actual_tokens
     kv_lens: torch.Tensor  # int32 [S], the new tokens included
-    block_table: torch.Tensor  # int32 [S, pages], only the pages the longest sequence reaches
-    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], where the new tokens go
+    block_table: torch.Tensor  # int32 [S, pages]: past the step's longest sequence, earlier steps' ids
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], where the new tokens go (-1: padding)
 
 
-class TorchKernelsAttentionMetadataBuilder(AttentionMetadataBuilder[TorchKernelsAttentionMetadata]):
-    """Builds :class:`TorchKernelsAttentionMetadata` once per step (not per layer)."""
+class _PersistentBatchBuilder(AttentionMetadataBuilder):
+    """What both backends' builders share: the ops' index arguments in buffers allocated once,
+    refilled in place each step by device copies (nothing read on the host), so that a CUDA graph
+    captured over one step's metadata reads every later step's from the same memory.
+
+    vLLM's batch becomes the ops' as follows. Sequences ``0 .. n-1`` are vLLM's requests (under a
+    full CUDA graph, vLLM's padding requests among them: no query tokens, length 0), and one more
+    sequence ``n`` takes the query rows past vLLM's last offset: vLLM pads a full graph's tokens
+    to the captured count but leaves them out of ``query_start_loc``, while the ops need offsets
+    that end at the number of query rows. That sequence attends over its own rows only (its
+    kv length is its query length, on the null block 0 that vLLM reserves for padding; its slots
+    are -1, so nothing is written); without padding it is empty. The block table's rows are
+    copied up to the pages the longest sequence reaches; entries past a sequence's last page are
+    never read, so the columns left from earlier steps do no harm.
+
+    Support level: ``ALWAYS`` (full CUDA graphs of any batch, prefills and decodes mixed) while the
+    ops check values in the deferred mode, the default off the CPU; in the full mode each call
+    reads index tensors on the host, which a graph cannot hold: ``NEVER`` (vLLM then keeps
+    attention out of its graphs)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        scheduler = vllm_config.scheduler_config
+        sequences = scheduler.max_num_seqs + 1  # vLLM's requests (padding ones included) and the padding rows'
+        # pages of the longest sequence, or of the padding rows' sequence (at most a step's tokens)
+        width = -(-max(vllm_config.model_config.max_model_len, scheduler.max_num_batched_tokens) // self.block_size)
+        self.cu_q_lens = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(sequences, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(sequences, width, dtype=torch.int32, device=device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        device = torch.device(vllm_config.device_config.device)
+        return cls._cudagraph_support if _checks.mode_for(device) == "deferred" else AttentionCGSupport.NEVER
+
+    def _fields(self, batch: CommonAttentionMetadata, backend: str) -> dict:
+        """vLLM's description of a step's batch as the ops' arguments (TorchKernelsAttentionMetadata's
+        fields), written into the persistent buffers."""
+        if batch.causal is not True:
+            raise NotImplementedError(f"{backend} attention: non-causal batches")
+        n, rows = batch.num_reqs, batch.num_actual_tokens
+        self.cu_q_lens[:n + 1].copy_(batch.query_start_loc)
+        self.cu_q_lens[n + 1].fill_(rows)
+        self.kv_lens[:n].copy_(batch.seq_lens)
+        torch.sub(batch.query_start_loc[n:], rows, out=self.kv_lens[n:n + 1]).neg_()  # the padding rows
+        pages = -(-batch.max_seq_len // self.block_size)  # max_seq_len is an upper bound: enough pages
+        source = batch.block_table_tensor[:, :pages]
+        self.block_table[:n, :source.shape[1]].copy_(source)
+        self.block_table[n, :-(-rows // self.block_size)].zero_()
+        return dict(num_actual_tokens=rows, cu_q_lens=self.cu_q_lens[:n + 2], kv_lens=self.kv_lens[:n + 1],
+                    block_table=self.block_table[:n + 1], slot_mapping=batch.slot_mapping[:rows])
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        """The step's metadata with each sequence's kv length cut to its query length, the
+        smallest legal batch (as vLLM's Triton backend sets its lengths to 1 for capture): a
+        graph records the kernels, not the lengths; each replay reads its step's from the buffers."""
+        metadata = self.build(0, common_attn_metadata)
+        torch.sub(metadata.cu_q_lens[1:], metadata.cu_q_lens[:-1], out=metadata.kv_lens)
+        return metadata
+
+
+class TorchKernelsAttentionMetadataBuilder(_PersistentBatchBuilder):
+    """Builds :class:`TorchKernelsAttentionMetadata` once per step (not per layer)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         head_size_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_size_v != kv_cache_spec.head_size:
             raise NotImplementedError(f"{BACKEND_NAME} attention: values of head size {head_size_v} with keys of "
                                       f"{kv_cache_spec.head_size} (the ops take one head size)")
-        self.block_size = kv_cache_spec.block_size
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchKernelsAttentionMetadata:
-        return TorchKernelsAttentionMetadata(**_batch_fields(common_attn_metadata, self.block_size, BACKEND_NAME))
-
-
-def _batch_fields(batch: CommonAttentionMetadata, block_size: int, backend: str) -> dict:
-    """vLLM's description of a step's batch as the ops' arguments (TorchKernelsAttentionMetadata's fields)."""
-    if batch.causal is not True:
-        raise NotImplementedError(f"{backend} attention: non-causal batches")
-    pages = -(-batch.max_seq_len // block_size)  # max_seq_len is an upper bound: enough pages
-    return dict(
-        num_actual_tokens=batch.num_actual_tokens,
-        cu_q_lens=batch.query_start_loc,
-        kv_lens=batch.seq_lens,
-        block_table=batch.block_table_tensor[:, :max(pages, 1)].contiguous(),
-        slot_mapping=batch.slot_mapping[:batch.num_actual_tokens],
-    )
+        return TorchKernelsAttentionMetadata(**self._fields(common_attn_metadata, BACKEND_NAME))
 
 
 class TorchKernelsAttentionImpl(AttentionImpl):
     """One layer's attention: one ``ragged_paged_attention`` call per step that writes the new
-    keys and values into vLLM's cache and attends over it. ``calls`` counts those calls."""
+    keys and values into vLLM's cache and attends over it. ``calls`` counts those calls (in Python:
+    not a CUDA graph's replays)."""
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
@@ -311,6 +367,7 @@ class TorchKernelsAttentionImpl(AttentionImpl):
         key_cache, value_cache = self._caches(kv_cache)
         writes = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         quantized = self.kv_cache_dtype in FP8_CACHE_DTYPES
+        # the op returns its output (it takes no output buffer): one copy into vLLM's
         output[:rows] = ragged_paged_attention(
             query[:rows], key_cache, value_cache, attn_metadata.cu_q_lens, attn_metadata.kv_lens,
             attn_metadata.block_table, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
@@ -377,18 +434,14 @@ class TorchKernelsMLAMetadata(TorchKernelsAttentionMetadata):
         return self
 
 
-class TorchKernelsMLAMetadataBuilder(AttentionMetadataBuilder[TorchKernelsMLAMetadata]):
+class TorchKernelsMLAMetadataBuilder(_PersistentBatchBuilder):
     """Builds :class:`TorchKernelsMLAMetadata` once per step (not per layer)."""
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.block_size = kv_cache_spec.block_size
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchKernelsMLAMetadata:
         batch = common_attn_metadata
-        return TorchKernelsMLAMetadata(**_batch_fields(batch, self.block_size, MLA_BACKEND_NAME),
-                                       num_decodes=batch.num_reqs, num_decode_tokens=batch.num_actual_tokens)
+        return TorchKernelsMLAMetadata(**self._fields(batch, MLA_BACKEND_NAME), num_decodes=batch.num_reqs,
+                                       num_decode_tokens=batch.num_actual_tokens)
 
 
 class TorchKernelsMLAImpl(MLAAttentionImpl):
