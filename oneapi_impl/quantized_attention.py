@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
 import torch
 
 from . import _runtime
@@ -142,7 +143,8 @@ def _quantize(x_mem, x: torch.Tensor, mean, multiplier: float, role: str, granul
 
 def _folded(sm_scale: float) -> float:
     """``sm_scale * log2(e)`` as the float32 constant the reference folds into Q."""
-    return torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()
+    with np.errstate(over="ignore"):  # inf past float32's range, as a float32 cast gives
+        return float(np.float32(sm_scale * LOG2E))
 
 
 def quantize(x: torch.Tensor, mean: torch.Tensor | None, multiplier: float, role: str, granularity: str,

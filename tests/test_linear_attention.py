@@ -8,12 +8,14 @@ held to a tenth of that here (measured errors are about 1e-6). Then what a user 
 the math: packed sequences equal separate runs, a state handed over between two halves equals one
 run, a decode step continues a chunked prefill, long sequences stay finite, and the op contract
 (opcheck, torch.compile of a Gated DeltaNet layer forward and backward, profiler names, FLOP
-counts, checked inputs).
+counts, checked inputs; bad values in the deferred check mode, Kimi Delta Attention's two ops
+included).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,10 +24,11 @@ from torch import nn
 
 import torch_kernels
 from harness import (
-    FLOAT32_BYTES, assert_compiled_matches_eager, backend_params, counted_flops, nbytes, only_row, profiled,
-    profiled_names, random_tensor, require_backend, run_opcheck,
+    FLOAT32_BYTES, HostReads, assert_compiled_matches_eager, backend_params, counted_flops, nbytes, only_row,
+    profiled, profiled_names, random_tensor, require_backend, run_opcheck,
 )
 from torch_kernels import backends
+from torch_kernels.ops import linear_attention as family_ops
 from torch_kernels.reference import linear_attention as reference
 
 CHUNK_DELTA, RECURRENT_DELTA, CHUNK_GLA = "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_simple_gla"
@@ -263,6 +266,62 @@ def test_nan_propagates_within_its_sequence_and_head_only(backend, op, where):
         torch.testing.assert_close(ht[1, value_head], clean_ht[1, value_head])
     else:
         assert o[0, step:, value_head].isnan().all() and ht[1, value_head].isnan().all()
+
+
+# offsets of three packed sequences over T = 24 that do not add up, and the full mode's message
+BAD_OFFSETS = {"decreasing": ([0, 15, 9, 24], "cu_seqlens: expected non-decreasing offsets"),
+               "not from 0": ([2, 9, 15, 24], "cu_seqlens: expected to start at 0"),
+               "not to T": ([0, 9, 15, 20], "cu_seqlens: expected to end at the time length T=24")}
+
+
+def _deferred_case(op):
+    """Keyword arguments of ``op`` for three packed sequences (T = 24, K = V = 16; the delta rule's
+    q, k l2-normalized in the op), the tensors leaves requiring grad, and the good offsets."""
+    delta = op != CHUNK_GLA
+    *tensors, h0, cu = family_ops.linear_attention_inputs(
+        torch.Generator().manual_seed(12), torch.float32, "cpu", delta, cu_seqlens=(0, 9, 15, 24), heads=(1, 2),
+        k_dim=16, v_dim=16, per_channel=op in family_ops.PER_CHANNEL_OPS)
+    x = {name: t.requires_grad_() for name, t in zip(("q", "k", "v", "g", "beta"), tensors)}
+    l2norm = {"use_qk_l2norm_in_kernel": True} if delta else {}
+    return {**x, "initial_state": h0.requires_grad_(), "scale": 0.25, **l2norm}, cu
+
+
+@pytest.mark.parametrize("op", family_ops.OPS)
+# not pallas: the checks are the op layer's, shared by every backend, and its interpreted kernels
+# take 10 s per op here
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA, exclude=("pallas",)))
+def test_deferred_mode_makes_bad_offsets_nan_and_keeps_a_positive_gate(backend, op):
+    """In the deferred check mode a bad value raises nothing at the call, and on Triton (the
+    accelerator's path) nothing is read on the host: offsets that do not add up make o, the final
+    states and every gradient NaN (the sequences' rows cannot be told apart); a positive g is used
+    as given (as the definition does). ``raise_deferred_errors()`` then raises the full mode's
+    error, less the value."""
+    require_backend(backend)
+    x, _ = _deferred_case(op)
+    leaves = {name: t for name, t in x.items() if isinstance(t, torch.Tensor)}
+    for case, (offsets, message) in BAD_OFFSETS.items():
+        with torch_kernels.checks("deferred"), HostReads() as guard:
+            o, ht = getattr(torch_kernels, op)(**x, output_final_state=True, implementation=backend,
+                                               cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+            grads = torch.autograd.grad([o, ht], list(leaves.values()), [torch.ones_like(o), torch.ones_like(ht)])
+        assert backend != "triton" or not guard.reads, f"{case}: read on the host: {guard.reads}"
+        for name, t in (("o", o), ("final_state", ht), *zip(leaves, grads)):
+            assert t.isnan().all(), f"{case}: {name} is not all NaN"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)} \\(found by a deferred check\\)$"):
+            torch_kernels.raise_deferred_errors()
+    x, cu = _deferred_case(op)
+    g = x["g"].detach().clone()
+    g[0, 3, 0] = 0.5
+    with torch_kernels.checks("deferred"):
+        o, ht = getattr(torch_kernels, op)(**{**x, "g": g}, output_final_state=True, cu_seqlens=cu,
+                                           implementation=backend)
+    with pytest.raises(ValueError, match=r"^g: expected log decays <= 0 .* \(found by a deferred check\)$"):
+        torch_kernels.raise_deferred_errors()
+    cast = {n: t.detach().double() for n, t in x.items() if isinstance(t, torch.Tensor)}
+    want_o, want_ht = reference.recurrence_naive(cast["q"], cast["k"], cast["v"], g.double(), cast.get("beta"), 0.25,
+                                                 cast["initial_state"], cu, op != CHUNK_GLA)
+    torch.testing.assert_close(o, want_o.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ht, want_ht.float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("op", [CHUNK_DELTA, CHUNK_GLA])

@@ -7,8 +7,9 @@ smoothing on passes). Then the definitions: the int8 groups and scales, the onli
 the untiled definition, varlen against per-sequence calls, the lse against float32 logsumexp and
 as ring attention combines it, gradients against float32 SDPA autograd (relative RMSE), and the op
 contract (opcheck, torch.compile fullgraph forward and backward, profiler names, FLOP and byte
-counts; its bad inputs are in tests/families/quantized_attention.py). Sizes are small and odd (N
-from 1 to 333) to keep the file fast.
+counts, bad offsets in the deferred check mode; its bad inputs are in
+tests/families/quantized_attention.py). Sizes are small and odd (N from 1 to 333) to keep the file
+fast.
 
 Run with ``-s`` to see the measured figures.
 """
@@ -16,6 +17,7 @@ Run with ``-s`` to see the measured figures.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -23,8 +25,8 @@ import torch.nn.functional as F
 
 import torch_kernels
 from harness import (
-    FLOAT32_BYTES, assert_compiled_matches_eager, backend_params, counted_flops, only_row, profiled, profiled_names,
-    random_tensor, require_backend, run_opcheck,
+    FLOAT32_BYTES, HostReads, assert_compiled_matches_eager, backend_params, counted_flops, only_row, profiled,
+    profiled_names, random_tensor, require_backend, run_opcheck,
 )
 from torch_kernels import backends
 from torch_kernels.ops import quantized_attention as ops
@@ -299,6 +301,51 @@ def test_online_softmax_matches_untiled_definition(backend, pv_dtype):
                                                              pv_dtype)
         assert accuracy(out, want)[1] <= tolerance
         torch.testing.assert_close(lse, want_lse.float(), rtol=1e-5, atol=1e-4)
+
+
+# changes that make the offsets of three packed sequences (Nq = 30, Nk = 40) not add up, and the
+# full mode's message for each
+BAD_OFFSETS = {"q decreasing": (dict(cu_seqlens_q=[0, 18, 10, 30]), "cu_seqlens_q: expected non-decreasing offsets"),
+               "k not from 0": (dict(cu_seqlens_k=[1, 25, 30, 40]), "cu_seqlens_k: expected to start at 0"),
+               "k not to Nk": (dict(cu_seqlens_k=[0, 25, 30, 39]),
+                               "cu_seqlens_k: expected to end at the 40 packed tokens")}
+
+
+# not pallas: the checks are the op layer's, shared by every backend, and its interpreted kernels
+# compile for each call's offsets here (30 s)
+@pytest.mark.parametrize("backend", backend_params("quantized_attention", exclude=("pallas",)))
+def test_deferred_mode_makes_bad_offsets_nan(backend):
+    """In the deferred check mode the packed offsets are checked on the device: good ones give the
+    full mode's results bit for bit and, on Triton (the accelerator's path), nothing is read on the
+    host; offsets that do not add up raise nothing at the call and make the output, the lse and
+    every gradient NaN (the sequences' rows cannot be told apart). ``raise_deferred_errors()``
+    then raises the full mode's error, less the value."""
+    require_backend(backend)
+    q, k, v = make_qkv(b=1, nq=30, nk=40, seed=14, requires_grad=True)
+    good = dict(cu_seqlens_q=torch.tensor([0, 10, 18, 30], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 25, 30, 40], dtype=torch.int32))
+
+    def call(offsets):
+        return torch_kernels.quantized_attention(q, k, v, causal=True, return_lse=True, implementation=backend,
+                                                 **offsets)
+
+    want = call(good)
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        got = call(good)
+    torch_kernels.raise_deferred_errors()  # nothing recorded
+    assert backend != "triton" or not guard.reads, f"read on the host: {guard.reads}"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for case, (change, message) in BAD_OFFSETS.items():
+        offsets = {**good, **{name: torch.tensor(o, dtype=torch.int32) for name, o in change.items()}}
+        with torch_kernels.checks("deferred"), HostReads() as guard:
+            out, lse = call(offsets)
+            grads = torch.autograd.grad([out, lse], [q, k, v], [torch.ones_like(out), torch.ones_like(lse)])
+        assert backend != "triton" or not guard.reads, f"{case}: read on the host: {guard.reads}"
+        for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+            assert t.isnan().all(), f"{case}: {name} is not all NaN"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)} \\(found by a deferred check\\)$"):
+            torch_kernels.raise_deferred_errors()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

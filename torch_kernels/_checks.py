@@ -91,6 +91,21 @@ def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | N
 
 # ---- value checks: "full" (raise now) or "deferred" (recorded on the device) ----
 
+def safe_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """Packed-sequence ``offsets`` made safe for a kernel in deferred mode (on the device, no read):
+    clamped into ``[0, total]``, non-decreasing, from 0 to ``total``."""
+    safe = offsets.clamp(0, total).cummax(0).values
+    safe[0] = 0
+    safe[-1] = total
+    return safe
+
+
+def nan_where(flag: torch.Tensor | None, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``outputs``, each all NaN where the 0-dim ``flag`` (a deferred check failed) is set; as
+    they are for None (full mode)."""
+    return outputs if flag is None else tuple(t.masked_fill(flag, torch.nan) for t in outputs)
+
+
 CHECKS_ENV_VAR = "TORCH_KERNELS_CHECKS"
 MODES = ("full", "deferred")
 _mode_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("torch_kernels_checks", default=None)

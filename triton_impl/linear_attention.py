@@ -265,6 +265,8 @@ def _channel_gates(g_ptr, rows, end, head, HEADS: tl.constexpr, dims, k_ok, K: t
 
 @triton.jit
 def _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c):
+    """``(first token, end of its sequence)`` of chunk slot ``c``; ``first >= end`` for a slot past
+    the last chunk (:func:`_chunks`), whose programs return at once (or mask every row)."""
     n = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
     end = tl.load(cu_ptr + n + 1)
@@ -311,6 +313,8 @@ def channel_products_kernel(
     them), to ``[tokens, HV, C]`` rows as ``T``; blocks above the diagonal are not written (module
     docstring, Kimi Delta Attention)."""
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
+    if t0 >= end:
+        return
     hv = tl.program_id(1)
     kh = hv // (HV // H)
     pair = tl.program_id(2)
@@ -368,6 +372,8 @@ def wy_kernel(
     ``C / 2`` rows: ``[C, C]`` float32 tiles, whose tf32x3 operands sm_80's mma.sync holds over the
     whole product depth, spilled registers; halves do not. PER_CHANNEL: ``D * K K^T`` is ``P(K, K)``
     from :func:`channel_products_kernel` (``pkk``) and ``exp(b)`` is per channel."""
+    # no early return for a slot past the last chunk (it made sm_90 spill at K = V = 128): its
+    # rows are all masked, so it reads and writes nothing
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, tl.program_id(0))
     hv = tl.program_id(1)
     kh = hv // (HV // H)
@@ -532,6 +538,8 @@ def chunk_output_kernel(
     kh = hv // (HV // H)
     DT = q_ptr.dtype.element_ty
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    if t0 >= end:
+        return
     rows = t0 + tl.arange(0, C)
     ok = rows < end
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -665,6 +673,8 @@ def chunk_grad_pairs_kernel(
     hv = tl.program_id(1)
     DT = v_ptr.dtype.element_ty
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    if t0 >= end:
+        return
     rows = t0 + tl.arange(0, C)
     ok = rows < end
     steps = tl.arange(0, C)
@@ -736,6 +746,8 @@ def chunk_grad_kernel(
     kb = tl.program_id(2)
     kh = hv // (HV // H)
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    if t0 >= end:
+        return
     rows = t0 + tl.arange(0, C)
     ok = rows < end
     steps = tl.arange(0, C)
@@ -817,6 +829,8 @@ def chunk_grad_channel_kernel(
     kb = tl.program_id(2)
     kh = hv // (HV // H)
     t0, end = _chunk_of(chunk_seq_ptr, chunk_start_ptr, cu_ptr, c)
+    if t0 >= end:
+        return
     steps = tl.arange(0, C)
     rows = t0 + steps
     ok = rows < end
@@ -1232,16 +1246,21 @@ def _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm) -> _Probl
                     q_raw, k_raw)
 
 
-def _chunks(cu: torch.Tensor):
-    """(chunk -> sequence, chunk -> first token, sequence -> first chunk, number of chunks)."""
+def _chunks(cu: torch.Tensor, tokens: int):
+    """(chunk -> sequence, chunk -> first token, sequence -> first chunk, chunk slots), made on the
+    device without reading ``cu``: the grid has ``tokens // CHUNK + N`` slots, a bound on the
+    number of chunks from shapes alone (each of the N sequences adds at most one partial chunk).
+    A slot past the last chunk starts at ``tokens``, at or past its sequence's end."""
+    num_seqs = cu.shape[0] - 1
     lengths = (cu[1:] - cu[:-1]).long()
     counts = (lengths + CHUNK - 1) // CHUNK
     first = torch.zeros(cu.shape[0], dtype=torch.int64, device=cu.device)
     first[1:] = counts.cumsum(0)
-    num_chunks = int(first[-1].item())
-    seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=cu.device), counts, output_size=num_chunks)
-    start = cu.long()[seq] + (torch.arange(num_chunks, device=cu.device) - first[seq]) * CHUNK
-    return seq.to(torch.int32), start.to(torch.int32), first.to(torch.int32), num_chunks
+    slots = tokens // CHUNK + num_seqs
+    chunk = torch.arange(slots, device=cu.device)
+    seq = torch.searchsorted(first[1:], chunk, right=True).clamp(max=max(num_seqs - 1, 0))
+    start = torch.where(chunk < first[-1], cu.long()[seq] + (chunk - first[seq]) * CHUNK, tokens)
+    return seq.to(torch.int32), start.to(torch.int32), first.to(torch.int32), slots
 
 
 def _chunk_recompute(x: _Problem, store_t: bool):
@@ -1249,32 +1268,32 @@ def _chunk_recompute(x: _Problem, store_t: bool):
     states, final states, chunk tables)."""
     tokens, _, value_heads, k_dim, v_dim = x.shape
     device = x.q.device
-    chunk_seq, chunk_start, first_chunk, num_chunks = _chunks(x.cu)
+    chunk_seq, chunk_start, first_chunk, chunk_slots = _chunks(x.cu, tokens)
     f32 = dict(dtype=torch.float32, device=device)
     t_inv = w = wk = pqk = pkk = None
-    if x.per_channel and num_chunks:  # P(Q, K) and P(K, K), the blocks on and below the diagonal
+    if x.per_channel and chunk_slots:  # P(Q, K) and P(K, K), the blocks on and below the diagonal
         pqk = torch.empty(tokens, value_heads, CHUNK, **f32)
         pkk = torch.empty(tokens, value_heads, CHUNK, **f32)
         blocks = CHUNK // SUB
         x.launch(channel_products_kernel, x.config("channel_products"),
-                 (num_chunks, value_heads, blocks * (blocks + 1) // 2), x.q, x.k, x.g, pqk, pkk, chunk_seq,
+                 (chunk_slots, value_heads, blocks * (blocks + 1) // 2), x.q, x.k, x.g, pqk, pkk, chunk_seq,
                  chunk_start, x.cu)
     if x.beta is not None:
         w = torch.empty(tokens, value_heads, v_dim, **f32)  # U, then W in place
         wk = torch.empty(tokens, value_heads, k_dim, **f32)
         t_inv = torch.empty(tokens, value_heads, CHUNK, **f32) if store_t else w
-        if num_chunks:
-            x.launch(wy_kernel, x.config("wy_per_channel" if x.per_channel else "wy"), (num_chunks, value_heads),
+        if chunk_slots:
+            x.launch(wy_kernel, x.config("wy_per_channel" if x.per_channel else "wy"), (chunk_slots, value_heads),
                      x.k, x.v, _or(x.g, x.beta), x.beta, _or(pkk, w), t_inv, w, wk, chunk_seq, chunk_start, x.cu,
                      HAS_G=x.g is not None, STORE_T=store_t, PER_CHANNEL=x.per_channel)
-    h = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
+    h = torch.empty(chunk_slots, value_heads, k_dim, v_dim, **f32)
     ht = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     config = x.config("chunk_state")
     x.launch(chunk_state_kernel, config, (x.num_seqs, value_heads, triton.cdiv(v_dim, config.block_v)),
              x.k, x.v, _or(x.g, x.k), _or(w, x.v), _or(wk, x.k), _or(x.h0, ht), h, ht, x.cu, first_chunk,
              HAS_G=x.g is not None, HAS_H0=x.h0 is not None, DELTA=w is not None,
              ACCURATE_EXP=not x.interpreted, PER_CHANNEL=x.per_channel)
-    return t_inv, _or(w, x.v), wk, pqk, h, ht, (chunk_seq, chunk_start, first_chunk, num_chunks)
+    return t_inv, _or(w, x.v), wk, pqk, h, ht, (chunk_seq, chunk_start, first_chunk, chunk_slots)
 
 
 def _or(t, placeholder):
@@ -1289,11 +1308,11 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     x = _setup(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     x.rerun = functools.partial(chunk_forward, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     tokens, _, value_heads, k_dim, v_dim = x.shape
-    _, w, _, pqk, h, ht, (chunk_seq, chunk_start, _, num_chunks) = _chunk_recompute(x, store_t=False)
+    _, w, _, pqk, h, ht, (chunk_seq, chunk_start, _, chunk_slots) = _chunk_recompute(x, store_t=False)
     o = torch.empty_like(x.v)
-    if num_chunks:
+    if chunk_slots:
         config = x.config("chunk_output")
-        x.launch(chunk_output_kernel, config, (num_chunks, value_heads, triton.cdiv(v_dim, config.block_v)),
+        x.launch(chunk_output_kernel, config, (chunk_slots, value_heads, triton.cdiv(v_dim, config.block_v)),
                  x.q, x.k, w, _or(x.g, x.k), _or(pqk, h), h, o, chunk_seq, chunk_start, x.cu, scale,
                  HAS_G=x.g is not None, SIXTEEN_BIT=x.low_qk, PER_CHANNEL=x.per_channel)
     return o.view(v.shape), ht
@@ -1326,10 +1345,10 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     delta = x.beta is not None
     if x.per_channel and not delta:
         raise NotImplementedError("triton: a per-channel decay's chunked backward is the delta rule's only")
-    t_inv, w, wk, pqk, h, _, (chunk_seq, chunk_start, first_chunk, num_chunks) = _chunk_recompute(x, True)
+    t_inv, w, wk, pqk, h, _, (chunk_seq, chunk_start, first_chunk, chunk_slots) = _chunk_recompute(x, True)
     do = do.reshape(tokens, value_heads, v_dim).contiguous()
     f32 = dict(dtype=torch.float32, device=device)
-    dh = torch.empty(num_chunks, value_heads, k_dim, v_dim, **f32)
+    dh = torch.empty(chunk_slots, value_heads, k_dim, v_dim, **f32)
     dh0 = torch.empty(x.num_seqs, value_heads, k_dim, v_dim, **f32)
     dw = torch.empty(tokens, value_heads, v_dim, **f32)  # dW, then dR in place (delta rule); dv itself for GLA
     dht = None if dht is None else dht.float().contiguous()
@@ -1344,10 +1363,10 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     dbeta = torch.empty(tokens, value_heads, **f32) if delta else None
     decay_parts = (k_dim,) if x.per_channel else ()  # dL/db per channel for a per-channel decay
     dg = torch.empty(tokens, value_heads, *decay_parts, **f32) if x.g is not None else None
-    if num_chunks:
+    if chunk_slots:
         dp = torch.empty(tokens, value_heads, CHUNK, **f32)
         da = torch.empty(tokens, value_heads, CHUNK, **f32) if delta else None
-        x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (num_chunks, value_heads),
+        x.launch(chunk_grad_pairs_kernel, x.config("chunk_grad_pairs"), (chunk_slots, value_heads),
                  x.v, w, _or(x.g, dp), _or(x.beta, dp), _or(t_inv, dp), do, dw, dp, _or(da, dp), dv, _or(dbeta, dp),
                  chunk_seq, chunk_start, x.cu, scale, HAS_G=x.g is not None and not x.per_channel, DELTA=delta,
                  SIXTEEN_BIT=x.low_v and do.dtype == x.v.dtype)  # a per-channel decay: dP, dA undecayed
@@ -1356,12 +1375,12 @@ def chunk_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, 
         dbeta_parts = torch.empty(blocks, tokens, value_heads, **f32) if delta else None
         if x.per_channel:  # each K block writes its own channels of db
             db = torch.empty(tokens, value_heads, k_dim, **f32)
-            x.launch(chunk_grad_channel_kernel, config, (num_chunks, value_heads, blocks),
+            x.launch(chunk_grad_channel_kernel, config, (chunk_slots, value_heads, blocks),
                      x.q, x.k, w, x.g, x.beta, h, dh, do, dw, dp, da, dq, dk, dbeta_parts, db, chunk_seq, chunk_start,
                      x.cu, scale, tokens)
         else:
             db_parts = torch.empty(blocks, tokens, value_heads, **f32) if x.g is not None else None
-            x.launch(chunk_grad_kernel, config, (num_chunks, value_heads, blocks),
+            x.launch(chunk_grad_kernel, config, (chunk_slots, value_heads, blocks),
                      x.q, x.k, w, _or(x.g, dq), _or(x.beta, dq), h, dh, do, dw, dp, _or(da, dp), dq, dk,
                      _or(dbeta_parts, dq), _or(db_parts, dq), chunk_seq, chunk_start, x.cu, scale, tokens,
                      HAS_G=x.g is not None, DELTA=delta)

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +80,13 @@ LN2 = tl.constexpr(math.log(2.0))
 
 QUANTIZE_WARPS = {"q": 16, "k": 4}  # 32 elements a thread (at head size 128): none spilled, 8 warps did for float32
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def folded_scale(sm_scale: float) -> float:
+    """``sm_scale * log2(e)`` rounded to float32 (inf past its range), on the host: the reference's
+    constant folded into Q."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(sm_scale * LOG2E))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,8 +674,7 @@ def quantized_attention(q, k, v, k_mean, q_mean, key_bias, sm_scale, causal, gra
         return torch.zeros_like(q), lse
     cu_q, num_seqs, varlen = _offsets(cu_seqlens_q, batch, nq, q.device)
     cu_k, _, _ = _offsets(cu_seqlens_k, batch, nk, q.device)
-    folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()  # the reference's float32 constant
-    q8, q_scale = quantize(q, q_mean, folded, "q", granularity, cu_seqlens_q)
+    q8, q_scale = quantize(q, q_mean, folded_scale(sm_scale), "q", granularity, cu_seqlens_q)
     k8, k_scale = quantize(k, k_mean, 1.0, "k", granularity, cu_seqlens_k)
     if pv_dtype == "fp8":
         v_read, v_scale = quantize_values_fp8(v, cu_seqlens_k)

@@ -158,26 +158,44 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_be
     _checks.same_device(q=q, k=k, v=v, **present)
 
 
-def check_values(cu_seqlens, length: int, g) -> None:
-    """Packed sequence offsets start at 0, never decrease and end at T, and no log decay is
-    positive (one host sync for all of it)."""
-    tests = [] if g is None else [(g > 0).any()]
+def check_values(cu_seqlens, length: int, g, checks: _checks.ValueChecks | None = None):
+    """No log decay is positive, and packed sequence offsets start at 0, never decrease and end at T.
+
+    Returns ``(cu_seqlens, offsets_bad)`` for the kernels: as given in full mode (``offsets_bad``
+    None); in deferred mode the offsets made safe (clamped into ``[0, T]``, non-decreasing, from 0
+    to T) and ``offsets_bad`` a 0-dim flag: the outputs must then be NaN, as the sequences' rows
+    cannot be told apart. A positive ``g`` is recorded only: it reads nothing out of bounds, and the
+    recurrence then grows the state. Without ``checks``, checks fully now."""
+    if g is None and cu_seqlens is None:
+        return None, None
+    own = checks is None
+    checks = checks or _checks.ValueChecks((cu_seqlens if g is None else g).device, "full")
+    if g is not None:
+        positive = g > 0
+        checks.add(positive, "g: expected log decays <= 0 (exp(g) scales the state down)",
+                   lambda: f"got {g[positive][0].item()} at index {tuple(positive.nonzero()[0].tolist())}")
+    offsets_bad = None
     if cu_seqlens is not None:
-        tests += [cu_seqlens[0] != 0, (cu_seqlens[1:] < cu_seqlens[:-1]).any(), cu_seqlens[-1] != length]
-    if not tests:
-        return
-    flags = torch.stack(tests).tolist()
-    if g is not None and flags.pop(0):
-        raise ValueError(f"g: expected log decays <= 0 (exp(g) scales the state down), got {g[g > 0][0].item()} "
-                         f"at index {tuple((g > 0).nonzero()[0].tolist())}")
-    if not flags:
-        return
-    if flags[0]:
-        raise ValueError(f"cu_seqlens: expected to start at 0, got {int(cu_seqlens[0])}")
-    if flags[1]:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_seqlens.tolist()}")
-    if flags[2]:
-        raise ValueError(f"cu_seqlens: expected to end at the time length T={length}, got {int(cu_seqlens[-1])}")
+        starts_off, ends_off = cu_seqlens[0] != 0, cu_seqlens[-1] != length
+        decreasing = cu_seqlens[1:] < cu_seqlens[:-1]
+        checks.add(starts_off, "cu_seqlens: expected to start at 0", lambda: f"got {int(cu_seqlens[0])}")
+        checks.add(decreasing, "cu_seqlens: expected non-decreasing offsets", lambda: f"got {cu_seqlens.tolist()}")
+        checks.add(ends_off, f"cu_seqlens: expected to end at the time length T={length}",
+                   lambda: f"got {int(cu_seqlens[-1])}")
+        if checks.deferred:
+            offsets_bad = starts_off | ends_off | decreasing.any()
+            cu_seqlens = _checks.safe_offsets(cu_seqlens, length)
+    if own:
+        checks.finish()
+    return cu_seqlens, offsets_bad
+
+
+def _checked_values(q, cu_seqlens, g):
+    """check_values in the call's mode: ``(cu_seqlens for the kernels, offsets_bad)``."""
+    checks = _checks.ValueChecks(q.device)
+    checked = check_values(cu_seqlens, q.shape[1], g, checks)
+    checks.finish()
+    return checked
 
 
 def _state_shape(q, v, cu_seqlens):
@@ -233,14 +251,15 @@ class _Family:
     def _forward_kernel(self, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        check_values(cu, q.shape[1], g)
+        cu, offsets_bad = _checked_values(q, cu, g)
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
         if o.dtype != v.dtype or ht.dtype != reference.compute_dtype(v.dtype):
             raise RuntimeError(f"{backends.last_backend(self.name)}: returned o {o.dtype} and final state {ht.dtype} "
                                f"for {v.dtype} inputs (expected {v.dtype}, {reference.compute_dtype(v.dtype)})")
-        return o.contiguous(), ht.contiguous()  # as the fake promises (a kernel may work head-major)
+        # contiguous as the fake promises (a kernel may work head-major)
+        return _checks.nan_where(offsets_bad, o.contiguous(), ht.contiguous())
 
     def _forward_fake(self, *args):
         q, k, v, g, beta, scale, h0, cu, _, _ = self._unpack(args)
@@ -258,13 +277,14 @@ class _Family:
     def _backward_kernel(self, do, dht, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        check_values(cu, q.shape[1], None)  # the forward checked g
+        safe_cu, offsets_bad = _checked_values(q, cu, None)  # the forward checked g
         grads = self._run(f"{self.name}_backward", implementation, do.contiguous(), _contiguous(dht),
-                          *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(cu), l2norm)
+                          *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(safe_cu),
+                          l2norm)
         # the schema returns six tensors: an absent input's gradient is zeros
-        return tuple(
+        return _checks.nan_where(offsets_bad, *(
             torch.zeros(shape, dtype=dtype, device=q.device) if grad is None else grad.to(dtype).contiguous()
-            for grad, (shape, dtype) in zip(grads, self._grad_shapes(q, k, v, g, beta, h0, cu)))
+            for grad, (shape, dtype) in zip(grads, self._grad_shapes(q, k, v, g, beta, h0, cu))))
 
     def _backward_fake(self, do, dht, *args):
         q, k, v, g, beta, scale, h0, cu, _, _ = self._unpack(args)
@@ -346,9 +366,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``sqrt(sum(x^2) + 1e-6)`` over K first (inside the op, gradients included).
         v: ``[B, T, HV, V]``, ``HV`` a multiple of ``H``: value head ``j`` uses q/k head
             ``j // (HV / H)`` (Qwen3-Next's grouped value heads). q, k and v share a dtype.
-        g: ``[B, T, HV]`` log decay, ``<= 0`` (``exp(g)`` multiplies the state; checked, which
-            reads ``g`` once on the host). Large negative values are exact (pairwise decays are
-            summed directly, never as differences of cumulative sums) and ``-inf`` resets the state.
+        g: ``[B, T, HV]`` log decay, ``<= 0`` (``exp(g)`` multiplies the state; checked, in the
+            full check mode by reading ``g`` once on the host). Large negative values are exact
+            (pairwise decays are summed directly, never as differences of cumulative sums) and
+            ``-inf`` resets the state.
         beta: ``[B, T, HV]`` update strength, usually in (0, 1).
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``N = B``, or the number of packed sequences).
@@ -361,6 +382,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``.
         Differentiable in q, k, v, g, beta and initial_state. A NaN or inf in an input reaches
         every output it feeds (the rest of its sequence and its final state), on every backend.
+        In the deferred check mode (``torch_kernels.checks``) bad values raise nothing at the call
+        (``torch_kernels.raise_deferred_errors()`` raises later): ``cu_seqlens`` that do not add
+        up make o, the final states and every gradient NaN, and a positive ``g`` is used as given.
     """
     return _call_delta(chunk_gated_delta_rule_family, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens, implementation)
@@ -369,7 +393,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
     """The same recurrence as :func:`chunk_gated_delta_rule`, one step at a time: the form for
-    decoding a few tokens from a carried state. It has a backward too. Arguments as there."""
+    decoding a few tokens from a carried state. It has a backward too. Arguments, and what the
+    deferred check mode does with bad values, as there."""
     return _call_delta(fused_recurrent_gated_delta_rule_family, q, k, v, g, beta, scale, initial_state,
                        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, implementation)
 
@@ -389,7 +414,8 @@ def chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_fin
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``;
-        differentiable in q, k, v, g and initial_state.
+        differentiable in q, k, v, g and initial_state. In the deferred check mode bad values
+        are handled as :func:`chunk_gated_delta_rule` says (NaN outputs for bad ``cu_seqlens``).
     """
     o, final_state = chunk_simple_gla_family.forward_op(q, k, v, g, _default_scale(q, scale), initial_state,
                                                         cu_seqlens, backends.implementation_arg(implementation))
@@ -412,7 +438,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
-        Differentiable in q, k, v, g, beta and initial_state.
+        Differentiable in q, k, v, g, beta and initial_state. In the deferred check mode bad
+        values are handled as :func:`chunk_gated_delta_rule` says (NaN outputs for bad ``cu_seqlens``).
     """
     return _call_delta(chunk_kda_family, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens, implementation)
@@ -421,7 +448,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, implementation=None):
     """The same recurrence as :func:`chunk_kda`, one step at a time: the form for decoding a few
-    tokens from a carried state. It has a backward too. Arguments as there."""
+    tokens from a carried state. It has a backward too. Arguments, and what the deferred check
+    mode does with bad values, as there."""
     return _call_delta(fused_recurrent_kda_family, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens, implementation)
 

@@ -246,9 +246,7 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
         return cu_q_lens, kv_lens, block_table, None
     # any bad offset makes every sequence bad: their rows cannot be told apart
     offsets_bad = (cu_q_lens[0] != 0) | (cu_q_lens[-1] != num_tokens) | (q_lens < 0).any()
-    safe_cu = cu_q_lens.clamp(0, num_tokens).cummax(0).values
-    safe_cu[0] = 0
-    safe_cu[-1] = num_tokens
+    safe_cu = _checks.safe_offsets(cu_q_lens, num_tokens)
     safe_q = safe_cu[1:] - safe_cu[:-1]
     seq_bad = offsets_bad | (kv_lens < 0) | (q_lens > kv_lens) | (pages > max_blocks) | bad_block.any(1)
     safe_kv = torch.where(seq_bad, safe_q, kv_lens)

@@ -131,22 +131,41 @@ def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, 
     _checks.same_device(**{qn: q, kn: k, vn: v}, **present)
 
 
-def check_lengths(cu_seqlens_q, cu_seqlens_k, nq: int, nk: int) -> None:
-    """Offsets start at 0, never decrease and end at the packed lengths (one host sync)."""
+def check_lengths(cu_seqlens_q, cu_seqlens_k, nq: int, nk: int, checks: _checks.ValueChecks | None = None):
+    """Offsets start at 0, never decrease and end at the packed lengths.
+
+    Returns ``(cu_seqlens_q, cu_seqlens_k, offsets_bad)`` for the kernels: as given in full mode
+    (``offsets_bad`` None); in deferred mode each made safe (clamped into ``[0, N]``,
+    non-decreasing, from 0 to N) and ``offsets_bad`` a 0-dim flag: the outputs must then be NaN, as
+    the sequences' rows cannot be told apart. Without ``checks``, checks fully now (one host read)."""
     if cu_seqlens_q is None:
-        return
-    tests = []
-    for cu, total in ((cu_seqlens_q, nq), (cu_seqlens_k, nk)):
-        tests += [cu[0] != 0, (cu[1:] < cu[:-1]).any(), cu[-1] != total]
-    flags = torch.stack(tests).tolist()
-    for i, (name, cu, total) in enumerate((("cu_seqlens_q", cu_seqlens_q, nq), ("cu_seqlens_k", cu_seqlens_k, nk))):
-        start, decreasing, end = flags[3 * i:3 * i + 3]
-        if start:
-            raise ValueError(f"{name}: expected to start at 0, got {int(cu[0])}")
-        if decreasing:
-            raise ValueError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
-        if end:
-            raise ValueError(f"{name}: expected to end at the {total} packed tokens, got {int(cu[-1])}")
+        return None, None, None
+    own = checks is None
+    checks = checks or _checks.ValueChecks(cu_seqlens_q.device, "full")
+    safe, offsets_bad = [], None
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, nq), ("cu_seqlens_k", cu_seqlens_k, nk)):
+        starts_off, ends_off = cu[0] != 0, cu[-1] != total
+        decreasing = cu[1:] < cu[:-1]
+        checks.add(starts_off, f"{name}: expected to start at 0", lambda cu=cu: f"got {int(cu[0])}")
+        checks.add(decreasing, f"{name}: expected non-decreasing offsets", lambda cu=cu: f"got {cu.tolist()}")
+        checks.add(ends_off, f"{name}: expected to end at the {total} packed tokens",
+                   lambda cu=cu: f"got {int(cu[-1])}")
+        if checks.deferred:
+            bad = starts_off | ends_off | decreasing.any()
+            offsets_bad = bad if offsets_bad is None else offsets_bad | bad
+            cu = _checks.safe_offsets(cu, total)
+        safe.append(cu)
+    if own:
+        checks.finish()
+    return (*safe, offsets_bad)
+
+
+def _checked_lengths(q, k, cu_q, cu_k):
+    """check_lengths in the call's mode: ``(cu_q, cu_k, offsets_bad)`` for the kernels."""
+    checks = _checks.ValueChecks(q.device)
+    checked = check_lengths(cu_q, cu_k, q.shape[2], k.shape[2], checks)
+    checks.finish()
+    return checked
 
 
 def _index(cu):
@@ -168,7 +187,7 @@ def _forward_kernel(*args):
         _forward_args(args)
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
                  smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
-    check_lengths(cu_q, cu_k, q.shape[2], k.shape[2])
+    cu_q, cu_k, offsets_bad = _checked_lengths(q, k, cu_q, cu_k)
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     cu_q, cu_k = _index(cu_q), _index(cu_k)
     # once here, so every backend smooths with the same numbers
@@ -185,7 +204,7 @@ def _forward_kernel(*args):
     if scale is not None:
         scale = scale.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # per query head
         out = out * reference.per_token(scale, cu_q, q.shape[2]).to(out.dtype)
-    return out, lse
+    return _checks.nan_where(offsets_bad, out, lse)
 
 
 def _forward_fake(*args):
@@ -219,9 +238,12 @@ def _backward(ctx, grad_out, grad_lse):
 # ---- backward ----
 
 def _backward_kernel(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_q=None, cu_k=None, implementation=None):
+    cu_q, cu_k, offsets_bad = _checked_lengths(q, k, cu_q, cu_k)
     prep = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
-    return backends.dispatch(BACKWARD_OP, _device_type(q), implementation, prep(grad_out).to(q.dtype), prep(grad_lse),
-                             prep(q), prep(k), prep(v), float(sm_scale), causal, _index(cu_q), _index(cu_k))
+    grads = backends.dispatch(BACKWARD_OP, _device_type(q), implementation, prep(grad_out).to(q.dtype),
+                              prep(grad_lse), prep(q), prep(k), prep(v), float(sm_scale), causal, _index(cu_q),
+                              _index(cu_k))
+    return _checks.nan_where(offsets_bad, *grads)
 
 
 def _backward_fake(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_q=None, cu_k=None, implementation=None):
@@ -335,7 +357,10 @@ def quantized_attention(
             offsets that would otherwise set the int8 scales).
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``[S + 1]`` offsets of ``S`` packed
             sequences (FlashAttention's varlen convention) with ``B = 1``; a sequence attends
-            only within itself, and its quantization groups start at its first token.
+            only within itself, and its quantization groups start at its first token. In the
+            deferred check mode (``torch_kernels.checks``) offsets that do not add up raise
+            nothing at the call: the output, the lse and the gradients are all NaN, and
+            ``torch_kernels.raise_deferred_errors()`` raises later.
         return_lse: also return the natural-log ``logsumexp`` of each row's scores, float32
             ``[B, Hq, Nq]`` in both layouts, corrected for the smoothing, so that partial results
             combine as in ring / context-parallel attention.

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 BLOCK_Q, BLOCK_K, WARP_Q = 128, 64, 32
@@ -94,44 +95,81 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP16_MAX = 65504.0  # largest finite float16
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+_KEY_BIAS_TILE = 2 ** 24  # elements of key_bias's per-key copy of the query means, per tile of keys
+
+
+def folded_scale(sm_scale: float) -> float:
+    """``sm_scale * log2(e)`` rounded to float32 (inf past its range): the constant every backend
+    folds into Q, rounded on the host."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(sm_scale * LOG2E))
 
 
 # ---- sequences ----
 
 def sequences(batch: int, nq: int, nk: int, cu_seqlens_q, cu_seqlens_k) -> list[tuple[int, int, int, int, int]]:
-    """``(batch index, q start, q end, k start, k end)`` of every sequence (one host read of cu_seqlens)."""
+    """``(batch index, q start, q end, k start, k end)`` of every sequence (one host read of
+    cu_seqlens): the reference kernel's loop."""
     if cu_seqlens_q is None:
         return [(b, 0, nq, 0, nk) for b in range(batch)]
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     return [(0, cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(len(cq) - 1)]
 
 
+def _rows_by_sequence(x: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """``x [B, H, N, D]`` as float32 rows ``[B N, H, D]``, the sequence of each row and the
+    sequences' offsets into the rows: the packed ones, or the batch elements'. One form for both, so
+    that a sequence's smoothing is the same bits packed or alone."""
+    batch, heads, n, d = x.shape
+    rows = x.transpose(1, 2).reshape(batch * n, heads, d).float()
+    offsets = torch.arange(batch + 1, device=x.device) * n if cu_seqlens is None else cu_seqlens.long()
+    return rows, token_sequence(offsets, batch * n), offsets
+
+
+def _with_zero_row(means: torch.Tensor) -> torch.Tensor:
+    """``means [S, ...]`` and a row of zeros, the means of tokens past the last offset."""
+    return torch.cat([means, means.new_zeros(1, *means.shape[1:])])
+
+
 def sequence_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[S, H, D]``: each sequence's mean row per head of ``x [B, H, N, D]`` (0 for an
-    empty sequence); the smoothing means of keys and of queries."""
-    if cu_seqlens is None:
-        return x.float().mean(dim=2) if x.shape[2] else x.new_zeros(x.shape[:2] + x.shape[3:], dtype=torch.float32)
-    means = [x[0, :, start:end].float().mean(dim=1) if end > start else
-             x.new_zeros(x.shape[1], x.shape[3], dtype=torch.float32)
-             for _, _, _, start, end in sequences(1, 0, x.shape[2], cu_seqlens, cu_seqlens)]
-    return torch.stack(means) if means else x.new_zeros(0, x.shape[1], x.shape[3], dtype=torch.float32)
+    empty sequence); the smoothing means of keys and of queries. Summed by an accumulating scatter
+    in token order (deterministic, no host read of ``cu_seqlens``) as differences from the
+    sequence's first row: a float32 sum of the large offsets smoothing is for would round away
+    digits of the mean. Tokens past the last offset belong to no sequence."""
+    rows, seq, offsets = _rows_by_sequence(x, cu_seqlens)
+    total, heads, d = rows.shape
+    num_seqs = offsets.shape[0] - 1
+    first = rows[offsets[:-1].clamp(0, max(total - 1, 0))] if total else rows.new_zeros(num_seqs, heads, d)
+    first = _with_zero_row(first)
+    sums = torch.zeros_like(first).index_put_((seq,), rows - first[seq], accumulate=True)
+    bounds = offsets.clamp(0, total)
+    counts = (bounds[1:] - bounds[:-1])[:, None, None]
+    return torch.where(counts > 0, first[:num_seqs] + sums[:num_seqs] / counts.clamp(min=1), 0.0)
 
 
 def key_bias(k: torch.Tensor, k_mean: torch.Tensor | None, q_mean: torch.Tensor, sm_scale: float,
              cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[B, Hq, Nk]``: the scores Q smoothing takes out, ``(q_mean[s, h] . k_s[j]) * c``
-    for every key ``j`` of sequence ``s`` (step 2 of the module docstring)."""
+    for every key ``j`` of sequence ``s`` (step 2 of the module docstring). Each key's dot
+    products with its sequence's means, gathered per key (no host read of the offsets), a tile of
+    keys at a time; keys past the last offset take zero means."""
     batch, hkv, nk, d = k.shape
     hq = q_mean.shape[1]
-    folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()
-    bias = k.new_zeros(batch, hkv, hq // hkv, nk, dtype=torch.float32)
-    for s, (b, _, _, k0, k1) in enumerate(sequences(batch, 0, nk, cu_seqlens_k, cu_seqlens_k)):
-        keys = k[b, :, k0:k1].float()  # [Hkv, n, D]
+    folded = folded_scale(sm_scale)
+    rows, seq, _ = _rows_by_sequence(k, cu_seqlens_k)
+    q_mean = _with_zero_row(q_mean)
+    k_mean = None if k_mean is None else _with_zero_row(k_mean)
+    bias = rows.new_empty(batch * nk, hkv, hq // hkv)  # each kv head serves hq // hkv query heads
+    tile = max(1, _KEY_BIAS_TILE // (hq * d))
+    for start in range(0, batch * nk, tile):
+        owner = seq[start:start + tile]
+        keys = rows[start:start + tile]
         if k_mean is not None:
-            keys = keys - k_mean[s][:, None, :]
-        # each kv head serves hq // hkv query heads
-        bias[b, :, :, k0:k1] = q_mean[s].view(hkv, hq // hkv, d) @ keys.transpose(-1, -2) * folded
-    return bias.view(batch, hq, nk)
+            keys = keys - k_mean[owner]
+        means = q_mean[owner].view(-1, hkv, hq // hkv, d)
+        bias[start:start + tile] = (means * keys[:, :, None, :]).sum(-1) * folded
+    return bias.view(batch, nk, hq).transpose(1, 2).contiguous()
 
 
 def smoothing(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_q: bool, smooth_k: bool,
@@ -186,7 +224,7 @@ def quantize_int8(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> tupl
 def quantize_queries(q: torch.Tensor, mean: torch.Tensor | None, sm_scale: float, granularity: str):
     """Queries ``[H, N, D]`` of one sequence, minus ``mean [H, D]`` if given, with ``sm_scale *
     log2(e)`` folded in: ``(int8, scale [H, N])``."""
-    folded = torch.tensor(sm_scale * LOG2E, dtype=torch.float32).item()  # the float32 constant kernels use
+    folded = folded_scale(sm_scale)
     smoothed = q.float() if mean is None else q.float() - mean[:, None, :]
     return quantize_int8(smoothed * folded, *row_groups(q.shape[1], "q", granularity, q.device))
 
