@@ -166,7 +166,7 @@ def plot(rows, path) -> None:
     ax.set_yticks(list(y), names)
     ax.invert_yaxis()
     ax.set_xlabel("host time added over the bare launch (us per call, one thread)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
