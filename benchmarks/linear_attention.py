@@ -6,7 +6,8 @@ B = 1, H = 16, D = 128 (K = V = 128), T = 1k to 16k. Timed, on the same device i
 ``chunk_gated_delta_rule`` and ``chunk_simple_gla`` (the backend a user gets there: the reference
 chunked form on CPU, Triton on CUDA), ``scaled_dot_product_attention(is_causal=True)``, and fla's
 chunked kernels (``fla-core``) where they import (CUDA only: they are Triton kernels with
-autotuning, which the CPU interpreter cannot run). Forward+backward is one forward and the
+autotuning, which the CPU interpreter cannot run), and transformers' torch Gated DeltaNet (Qwen3-Next's
+fallback without fla, what ``kernelize`` replaces) up to T = 4k. Forward+backward is one forward and the
 backward of a random cotangent, every input requiring grad. Reports time, tokens/s, ratios, the
 length from which Gated DeltaNet is faster than attention, and ours vs the naive recurrence.
 
@@ -74,6 +75,20 @@ def ours_gla(x):
 def sdpa(x):
     q, k, v = (x[n].transpose(1, 2) for n in "qkv")
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+TRANSFORMERS_GDN = "transformers torch gated delta rule"
+TRANSFORMERS_GDN_MAX_T = 4096  # a Python loop over chunks; the drop-in comparison needs no more
+
+
+def transformers_delta():
+    """transformers' torch Gated DeltaNet (Qwen3-Next's fallback without fla), what kernelize's
+    drop-in replaces on CPU; None when it does not import."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    except Exception:  # an older transformers without Qwen3-Next
+        return None
+    return lambda x: torch_chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
 
 
 def fla_implementations():
@@ -278,14 +293,16 @@ def main(argv=None) -> int:
     budget = args.budget or (0.1 if cuda and args.gpu else 0.02 if args.gpu else 0.1 if args.quick else 0.5)
     fla, fla_note = fla_implementations()
     impls = {"ours: gated delta rule": ours_delta, "ours: simple gla": ours_gla, "sdpa causal": sdpa, **fla}
+    if (peer := transformers_delta()) is not None:
+        impls[TRANSFORMERS_GDN] = peer
 
     print(f"# linear attention benchmark: {machine_line()}, {device}, {dtype}", flush=True)
     rows = []
     for length in lengths:
         x = inputs(length, device, dtype)
         for impl, fn in list(impls.items()):
-            if impl not in impls:  # a peer dropped at this length
-                continue
+            if impl not in impls or (impl == TRANSFORMERS_GDN and length > TRANSFORMERS_GDN_MAX_T):
+                continue  # a peer dropped at this length
             try:
                 fwd, fwd_bwd = timed(fn, x, False, budget, sync), timed(fn, x, True, budget, sync)
             except Exception as e:  # a peer that refuses here (fla on some Triton versions) leaves its columns out
@@ -322,6 +339,11 @@ def main(argv=None) -> int:
             bullets.append(f"- {what}: {ours} is faster than causal attention "
                            + (f"from T = {t // K}k on (at every measured length from there)." if t else
                               "at none of the measured lengths (or not at every longer one)."))
+    for r in (r for r in rows if r["impl"] == TRANSFORMERS_GDN):
+        a = next(o for o in rows if o["T"] == r["T"] and o["impl"] == "ours: gated delta rule")
+        bullets.append(f"- T = {r['T'] // K}k: transformers' torch / ours, gated delta rule: forward "
+                       f"{r['fwd_s'] / a['fwd_s']:.2f}x, forward+backward {r['fwd_bwd_s'] / a['fwd_bwd_s']:.2f}x "
+                       "(above 1x: ours is faster)")
     for t in lengths if fla else ():
         a = next(r for r in rows if r["T"] == t and r["impl"] == "ours: gated delta rule")
         b = next(r for r in rows if r["T"] == t and r["impl"] == "fla gated delta rule")
