@@ -99,8 +99,9 @@ def test_pinned_messages(table):
 DEFERRED = re.compile(r" \(found by a deferred check\)( \(and \d+ other failed checks?\))?$")
 
 
-# triton: the accelerator's default; the reference: the fallback everywhere
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+# on Triton, the accelerators' default (the checks and what they make safe live in the op layer,
+# shared by every backend; each family's tests hold the others' deferred results)
+@pytest.mark.parametrize("backend", ["triton"])
 @pytest.mark.parametrize("table", TABLES)
 def test_table_in_deferred_mode(table, backend):
     """In the deferred check mode every row still fails with its full-mode error: a shape, dtype
