@@ -89,6 +89,7 @@ def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | N
                 raise ValueError(f"{message}, got {low.item()} .. {high.item()}")
     return value.to(torch.int32).contiguous()
 
+
 # ---- value checks: "full" (raise now) or "deferred" (recorded on the device) ----
 
 def safe_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
@@ -126,14 +127,14 @@ def checks(mode: str):
       ``ValueError`` that names the argument and the offending value;
     - ``"deferred"``: no tensor data is read on the host, whatever the device. The checks run on
       the device and record what fails in a small persistent error word; the kernels get inputs
-      made safe (a bad slot is skipped, a sequence with a bad page id or length attends to
-      nothing), and the output rows such an entry touches are NaN. Nothing is read or written out
-      of bounds. :func:`raise_deferred_errors` reads the word (one read) and raises the
+      made safe (a bad slot or row is skipped, a bad expert id dropped, a sequence with a bad page
+      id or length kept to its own rows), and the output rows such an entry touches are NaN (-1 in
+      index outputs). Nothing is read or written out of bounds. :func:`raise_deferred_errors` reads the word (one read) and raises the
       ``ValueError`` the full mode would have raised, without the value.
 
     Without a block: ``TORCH_KERNELS_CHECKS`` (``full`` or ``deferred``) if set, else ``full`` for
-    CPU tensors and ``deferred`` on accelerators. Shapes, dtypes, devices and strides are checked
-    on the host in both modes (they cost no read).
+    CPU tensors and ``deferred`` on accelerators; torchax tensors always ``full``. Shapes, dtypes,
+    devices and strides are checked on the host in both modes (they cost no read).
     """
     token = _mode_override.set(_parse_mode(mode, "checks"))
     try:
