@@ -395,7 +395,10 @@ def ragged_paged_mla(
         ``[T, H, Lr]`` in q_nope's dtype (and ``lse`` with ``return_lse``). Softmax and sums are float32.
 
     NaN and inf: rows outside a sequence's first ``kv_len`` positions are never read; a NaN or inf
-    inside them may reach every query of its sequence. Inference only: no backward.
+    inside them may reach every query of its sequence. In the deferred check mode
+    (``torch_kernels.checks``) a sequence with a bad length or page id gets NaN rows (and lse) and a
+    top-k index out of range is dropped, recorded for ``raise_deferred_errors``. Inference only: no
+    backward.
     """
     paged.check_tensors(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
                         block_table=block_table, topk_indices=topk_indices, kv_scale=kv_scale)

@@ -482,7 +482,8 @@ def reshape_and_cache(
         key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` of key's dtype or a quantized
             dtype (``int8``, ``float8_e4m3fn``, ``float8_e5m2``); any strides whose last is 1 and
             that keep entries apart (views of one larger tensor too: ``is_cache_layout``).
-        slot_mapping: int64 (or int32) ``[T]``; each slot at most once.
+        slot_mapping: int64 (or int32) ``[T]``; each slot at most once (deferred checks skip a slot
+            out of range and leave a repeated one to one of its tokens).
         k_scale, v_scale: optional float32 scales, finite and > 0, one (``[]`` or ``[1]``) or one
             per kv head (``[Hkv]``); the cache stores ``key / k_scale`` rounded to its dtype (int8
             rounds half to even and saturates, fp8 saturates). ``None`` means 1. NaN is stored
@@ -548,8 +549,11 @@ def ragged_paged_attention(
     value entry of kv head ``h // G`` makes its output row for head ``h`` all NaN, and no other
     row changes. The write stores NaN as :func:`reshape_and_cache` does.
 
-    Inputs are checked (lengths, page ids, slots) before any kernel runs; this reads the small
-    index tensors once on the host. Inference only: it has no backward.
+    Inputs are checked (lengths, page ids, slots) before any kernel runs, in the call's check mode
+    (``torch_kernels.checks``): ``full`` reads the small index tensors once on the host and raises;
+    ``deferred`` reads nothing, records what fails for ``torch_kernels.raise_deferred_errors()``,
+    gives a sequence with a bad length or page id NaN rows and skips a bad slot (the write then
+    runs before the attention rather than inside it). Inference only: it has no backward.
     """
     check_tensors(query=query, key_cache=key_cache, value_cache=value_cache, cu_q_lens=cu_q_lens,
                    kv_lens=kv_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
