@@ -430,7 +430,8 @@ def indexer_topk(
     query sees fewer than ``top_k`` positions. NaN scores rank as -inf. Overflow, on every backend
     alike: a score is the float32 sum of its positive-weight heads' terms plus that of its
     negative-weight heads' terms, so finite inputs whose score passes float32's range score +inf
-    (ranked first) or -inf (last), and NaN (last) when both sums overflow.
+    (ranked first) or -inf (last), and NaN (last) when both sums overflow. In the deferred check
+    mode (``torch_kernels.checks``) a sequence with a bad length or page id gets rows of -1.
 
     Args:
         q: ``[T, Hi, Di]``, float16, bfloat16 or float32 (the indexer's queries).
