@@ -200,7 +200,8 @@ def _codes_on(device: torch.device, codes: tuple[int, ...]) -> torch.Tensor:
     if index is None:
         if len(_indices) > 4096:  # bounded: distinct messages per shape could grow without end
             _indices.clear()
-        index = _indices[key] = torch.tensor(codes, dtype=torch.int64, device=device)
+        # made on the host and copied without waiting: no synchronisation, even on first use
+        index = _indices[key] = torch.tensor(codes, dtype=torch.int64).to(device, non_blocking=True)
     return index
 
 
