@@ -551,14 +551,21 @@ def test_bad_expert_ids_in_deferred_mode_are_dropped(backend):
         return results
 
     want = run(dropped_ids)
-    with torch_kernels.checks("deferred"), HostReads() as guard:
-        got = run(bad_ids)
-    assert backend != "triton" or not guard.reads, guard.reads
+    (got,) = run_deferred(run, backend, bad_ids)
     with pytest.raises(ValueError, match=r"^topk_ids: expected expert ids in \[0, 5\) or -1 \(dropped\) \(found by "
                                          r"a deferred check\)$"):
         torch_kernels.raise_deferred_errors()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def run_deferred(run, backend: str, *inputs) -> list:
+    """``run`` on each of ``inputs`` in the deferred check mode; on Triton (the accelerators'
+    path) with no host read."""
+    with torch_kernels.checks("deferred"), HostReads() as guard:
+        results = [run(x) for x in inputs]
+    assert backend != "triton" or not guard.reads, guard.reads
+    return results
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -580,10 +587,7 @@ def test_grouped_mm_in_deferred_mode(backend):
 
     offsets = random_offsets(25, 6, gen)
     want = run(offsets)
-    with torch_kernels.checks("deferred"), HostReads() as guard:
-        got = run(offsets)
-        bad = run(torch.tensor([3, 9, 4, 12, 20, 25], dtype=torch.int32))
-    assert backend != "triton" or not guard.reads, guard.reads
+    got, bad = run_deferred(run, backend, offsets, torch.tensor([3, 9, 4, 12, 20, 25], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^offsets: expected non-decreasing cumulative row ends \(found by a "
                                          r"deferred check\)$"):
         torch_kernels.raise_deferred_errors()

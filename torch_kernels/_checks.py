@@ -101,6 +101,39 @@ def safe_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return safe
 
 
+def packed_offsets(name: str, offsets: torch.Tensor, total: int, total_what: str,
+                   checks: "ValueChecks") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed-sequence ``offsets`` (argument ``name``) start at 0, never decrease and end at
+    ``total`` (``total_what`` says what it is). Returns ``(offsets, bad)`` for the kernels: as given
+    and None in full mode; in deferred mode :func:`safe_offsets` and a 0-dim flag set when a check
+    failed (the outputs are then all NaN: the sequences' rows cannot be told apart)."""
+    starts_off, ends_off = offsets[0] != 0, offsets[-1] != total
+    decreasing = offsets[1:] < offsets[:-1]
+    checks.add(starts_off, f"{name}: expected to start at 0", lambda: f"got {int(offsets[0])}")
+    checks.add(decreasing, f"{name}: expected non-decreasing offsets", lambda: f"got {offsets.tolist()}")
+    checks.add(ends_off, f"{name}: expected to end at {total_what}", lambda: f"got {int(offsets[-1])}")
+    if not checks.deferred:
+        return offsets, None
+    return safe_offsets(offsets, total), starts_off | ends_off | decreasing.any()
+
+
+def state_rows(name: str, rows: torch.Tensor, state_name: str, num_rows: int,
+               checks: "ValueChecks") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows ``name`` picks of a state ``state_name`` written in place: each below ``num_rows``
+    (negative: padding) and at most once. Returns ``(rows, bad)``: as given and None in full mode;
+    in deferred mode a row past the state becomes padding and ``bad`` marks the entries whose output
+    must be NaN (also an int64 row below int32's range, which the kernels' int32 cast makes
+    padding). A repeated row stays in bounds and is only recorded."""
+    past = rows >= num_rows
+    ordered = rows.sort().values
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    checks.add(past, f"{name}: expected rows below {state_name}'s {num_rows}", lambda: f"got {rows.tolist()}")
+    checks.add(repeated, f"{name}: expected each row at most once", lambda: f"got {rows.tolist()}")
+    if not checks.deferred:
+        return rows, None
+    return torch.where(past, -1, rows), past | (rows < INT32_MIN)
+
+
 def nan_where(flag: torch.Tensor | None, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``outputs``, each all NaN where the 0-dim ``flag`` (a deferred check failed) is set; as
     they are for None (full mode)."""

@@ -379,8 +379,8 @@ class Engine:
         if self.cache.reserved:
             self.block_table[max_seqs, :len(self.cache.reserved)] = torch.tensor(self.cache.reserved)
         self._free_rows = list(range(max_seqs))
-        self._decode_buffers: dict[int, tuple] = {}  # batch size -> (token ids, rows and positions, logits)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._decode_buffers: dict[int, tuple] = {}  # batch size -> (token ids, table rows and positions)
+        self._graphs: dict[int, tuple] = {}  # batch size -> (captured CUDA graph, its logits)
         eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or ())  # a config may list several
         self.waiting: collections.deque[Request] = collections.deque()
@@ -470,8 +470,7 @@ class Engine:
         if not chunks:
             return []
         ids = [token for seq, n in chunks for token in seq.tokens[seq.num_cached:seq.num_cached + n]]
-        rows = list(itertools.accumulate(n for _, n in chunks))
-        rows = [r - 1 for r in rows]  # each chunk's last row in the batch
+        rows = [end - 1 for end in itertools.accumulate(n for _, n in chunks)]  # each chunk's last row
         sampling = [j for j, (seq, n) in enumerate(chunks) if seq.num_cached + n == len(seq.tokens)]
         gate_s, gated, refused = 0.0, 0, ()
         try:
@@ -547,30 +546,30 @@ class Engine:
         if buffers is None:
             device = self.cache.device
             buffers = self._decode_buffers[size] = (torch.zeros(size, dtype=torch.int64, device=device),
-                                                    torch.zeros(2, size, dtype=torch.int64, device=device), None)
-        token_ids, rows_and_starts, _ = buffers
+                                                    torch.zeros(2, size, dtype=torch.int64, device=device))
+        token_ids, rows_and_starts = buffers
         token_ids.copy_(torch.tensor(ids + [0] * pad, dtype=torch.int64), non_blocking=True)
         rows_and_starts.copy_(torch.tensor(per_seq, dtype=torch.int64), non_blocking=True)
         if self.cache.device.type != "cuda":
             return self._decode_forward(size)[:num_seqs]
-        graph = self._graphs.get(size)
-        if graph is None:
-            graph = self._capture(size)
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph, logits = self._graphs[size]
         graph.replay()
-        return self._decode_buffers[size][2][:num_seqs]
+        return logits[:num_seqs]
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         """The logits of a padded decode batch of ``size`` read from its persistent buffers."""
-        token_ids, (table_rows, starts), _ = self._decode_buffers[size]
+        token_ids, (table_rows, starts) = self._decode_buffers[size]
         counts = torch.ones_like(starts)
         positions, cu_q_lens, kv_lens, block_table, slots = self._metadata(
             table_rows, starts, counts, size, self.block_table.shape[1])
         return self.runner(self.cache, token_ids, positions, cu_q_lens, kv_lens, block_table, slots,
                            cu_q_lens[1:] - 1, fused_write=self.fused_write)
 
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
-        """Capture the padded decode forward of ``size`` (after one eager run on a side stream, which
-        compiles and autotunes the kernels outside the capture); its logits stay in the buffers."""
+    def _capture(self, size: int) -> tuple:
+        """The padded decode forward of ``size`` captured, and the logits it writes on replay (after
+        one eager run on a side stream, which compiles and autotunes the kernels outside the capture)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -579,10 +578,7 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self._decode_forward(size)
-        token_ids, rows_and_starts, _ = self._decode_buffers[size]
-        self._decode_buffers[size] = (token_ids, rows_and_starts, logits)
-        self._graphs[size] = graph
-        return graph
+        return graph, logits
 
     def _gate(self, chunks: list[tuple[Request, int]], rows: list[int], hidden: torch.Tensor) -> tuple[int, tuple]:
         """Pool the prefill chunks' rows of ``hidden [T, H]`` (the gate's layer) into their requests,

@@ -129,17 +129,8 @@ def check_update_values(conv_state, cache_seqlens, conv_state_indices,
     checks = checks or _checks.ValueChecks(conv_state.device, "full")
     bad_entries = None
     if conv_state_indices is not None:
-        past = conv_state_indices >= conv_state.shape[0]
-        rows = conv_state_indices.sort().values
-        repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)  # stays in bounds: not made safe
-        checks.add(past, f"conv_state_indices: expected rows below conv_state's {conv_state.shape[0]}",
-                   lambda: f"got {conv_state_indices.tolist()}")
-        checks.add(repeated, "conv_state_indices: expected each row at most once",
-                   lambda: f"got {conv_state_indices.tolist()}")
-        if checks.deferred:
-            # a row below int32's range saturates to a negative one: padding, and bad
-            bad_entries = past | (conv_state_indices < _checks.INT32_MIN)
-            conv_state_indices = torch.where(past, -1, conv_state_indices)
+        conv_state_indices, bad_entries = _checks.state_rows("conv_state_indices", conv_state_indices, "conv_state",
+                                                             conv_state.shape[0], checks)
     if cache_seqlens is not None:
         negative = cache_seqlens < 0
         checks.add(negative, "cache_seqlens: expected lengths >= 0", lambda: f"got {cache_seqlens.tolist()}")

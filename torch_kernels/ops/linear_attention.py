@@ -176,15 +176,8 @@ def check_values(cu_seqlens, length: int, g, checks: _checks.ValueChecks | None 
                    lambda: f"got {g[positive][0].item()} at index {tuple(positive.nonzero()[0].tolist())}")
     offsets_bad = None
     if cu_seqlens is not None:
-        starts_off, ends_off = cu_seqlens[0] != 0, cu_seqlens[-1] != length
-        decreasing = cu_seqlens[1:] < cu_seqlens[:-1]
-        checks.add(starts_off, "cu_seqlens: expected to start at 0", lambda: f"got {int(cu_seqlens[0])}")
-        checks.add(decreasing, "cu_seqlens: expected non-decreasing offsets", lambda: f"got {cu_seqlens.tolist()}")
-        checks.add(ends_off, f"cu_seqlens: expected to end at the time length T={length}",
-                   lambda: f"got {int(cu_seqlens[-1])}")
-        if checks.deferred:
-            offsets_bad = starts_off | ends_off | decreasing.any()
-            cu_seqlens = _checks.safe_offsets(cu_seqlens, length)
+        cu_seqlens, offsets_bad = _checks.packed_offsets("cu_seqlens", cu_seqlens, length,
+                                                         f"the time length T={length}", checks)
     if own:
         checks.finish()
     return cu_seqlens, offsets_bad

@@ -195,19 +195,10 @@ def check_update_values(state, state_batch_indices, checks: _checks.ValueChecks 
         return None, None
     own = checks is None
     checks = checks or _checks.ValueChecks(state.device, "full")
-    past = state_batch_indices >= state.shape[0]
-    rows = state_batch_indices.sort().values
-    repeated = (rows[1:] == rows[:-1]) & (rows[1:] >= 0)  # stays in bounds: not made safe
-    checks.add(past, f"state_batch_indices: expected rows below state's {state.shape[0]}",
-               lambda: f"got {state_batch_indices.tolist()}")
-    checks.add(repeated, "state_batch_indices: expected each row at most once",
-               lambda: f"got {state_batch_indices.tolist()}")
+    checked = _checks.state_rows("state_batch_indices", state_batch_indices, "state", state.shape[0], checks)
     if own:
         checks.finish()
-    if not checks.deferred:
-        return state_batch_indices, None
-    return (torch.where(past, -1, state_batch_indices),
-            past | (state_batch_indices < _checks.INT32_MIN))
+    return checked
 
 
 # ---- selective_state_update ----

@@ -142,22 +142,11 @@ def check_lengths(cu_seqlens_q, cu_seqlens_k, nq: int, nk: int, checks: _checks.
         return None, None, None
     own = checks is None
     checks = checks or _checks.ValueChecks(cu_seqlens_q.device, "full")
-    safe, offsets_bad = [], None
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, nq), ("cu_seqlens_k", cu_seqlens_k, nk)):
-        starts_off, ends_off = cu[0] != 0, cu[-1] != total
-        decreasing = cu[1:] < cu[:-1]
-        checks.add(starts_off, f"{name}: expected to start at 0", lambda cu=cu: f"got {int(cu[0])}")
-        checks.add(decreasing, f"{name}: expected non-decreasing offsets", lambda cu=cu: f"got {cu.tolist()}")
-        checks.add(ends_off, f"{name}: expected to end at the {total} packed tokens",
-                   lambda cu=cu: f"got {int(cu[-1])}")
-        if checks.deferred:
-            bad = starts_off | ends_off | decreasing.any()
-            offsets_bad = bad if offsets_bad is None else offsets_bad | bad
-            cu = _checks.safe_offsets(cu, total)
-        safe.append(cu)
+    cu_q, bad_q = _checks.packed_offsets("cu_seqlens_q", cu_seqlens_q, nq, f"the {nq} packed tokens", checks)
+    cu_k, bad_k = _checks.packed_offsets("cu_seqlens_k", cu_seqlens_k, nk, f"the {nk} packed tokens", checks)
     if own:
         checks.finish()
-    return (*safe, offsets_bad)
+    return cu_q, cu_k, None if bad_q is None else bad_q | bad_k
 
 
 def _checked_lengths(q, k, cu_q, cu_k):

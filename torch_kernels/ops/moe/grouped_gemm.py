@@ -60,11 +60,6 @@ def check_offsets(offsets, rows: int, checks: _checks.ValueChecks | None = None)
     return offsets.clamp(0, rows).cummax(0).values, torch.stack(failed).any()
 
 
-def _nan_if(out: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
-    """``out``, all NaN where deferred checks flagged its offsets ``bad``."""
-    return out if bad is None else out.masked_fill_(bad, torch.nan)
-
-
 def _weight_layout(w):
     """``(tensor, transposed)``: ``w`` itself if contiguous ``[E, K, N]``, its ``[E, N, K]`` base if it
     is that transposed (as ``w13.transpose(1, 2)``), else a contiguous copy."""
@@ -81,10 +76,12 @@ def _grouped_kernel(x, w, offsets, out_dtype=None, implementation=None):
     offsets, bad = check_offsets(offsets, x.shape[0], checks)
     checks.finish()
     if not x.shape[1] or not w.shape[2]:  # nothing to multiply: the same zeros on every backend
-        return _nan_if(x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype), bad)
-    tensor, transposed = _weight_layout(w)
-    return _nan_if(backends.dispatch(GROUPED_MM, device_type(x), implementation, x.contiguous(), tensor,
-                                     offsets.long().contiguous(), out_dtype or x.dtype, transposed), bad)
+        out = x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
+    else:
+        tensor, transposed = _weight_layout(w)
+        out = backends.dispatch(GROUPED_MM, device_type(x), implementation, x.contiguous(), tensor,
+                                offsets.long().contiguous(), out_dtype or x.dtype, transposed)
+    return _checks.nan_where(bad, out)[0]
 
 
 def _grouped_fake(x, w, offsets, out_dtype=None, implementation=None):
@@ -114,9 +111,11 @@ def _weight_grad_kernel(x, dy, offsets, num_experts, out_dtype, implementation=N
     offsets, bad = check_offsets(offsets, x.shape[0], checks)
     checks.finish()
     if not (x.shape[1] and dy.shape[1] and num_experts):  # an empty gradient (grouped_mm with K, N or E 0)
-        return _nan_if(x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype), bad)
-    return _nan_if(backends.dispatch(WEIGHT_GRAD, device_type(x), implementation, x.contiguous(), dy.contiguous(),
-                                     offsets.long().contiguous(), num_experts, out_dtype), bad)
+        grad = x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype)
+    else:
+        grad = backends.dispatch(WEIGHT_GRAD, device_type(x), implementation, x.contiguous(), dy.contiguous(),
+                                 offsets.long().contiguous(), num_experts, out_dtype)
+    return _checks.nan_where(bad, grad)[0]
 
 
 def _weight_grad_fake(x, dy, offsets, num_experts, out_dtype, implementation=None):
