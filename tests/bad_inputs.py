@@ -1,11 +1,11 @@
-"""Runs one bad-input table on one backend: ``python tests/bad_inputs.py TABLE BACKEND [MODE]`` prints
-``[(case, exception type name, message), ...]`` as JSON. ``MODE``: the check mode (``full`` by
-default); in ``deferred`` mode an error the call does not raise itself is the one
-``torch_kernels.raise_deferred_errors()`` raises after it.
+"""Runs bad-input tables on one backend: ``python tests/bad_inputs.py BACKEND MODE TABLE...`` prints,
+as each table ends, a JSON line ``{"table": TABLE, "results": [(case, exception type name, message),
+...]}``. ``MODE``: the check mode, ``full`` or ``deferred``; in ``deferred`` mode an error the call does
+not raise itself is the one ``torch_kernels.raise_deferred_errors()`` raises after it.
 
 The tables are the families' (``BAD_INPUTS`` in each module of ``tests/families``);
-``tests/test_bad_inputs.py`` runs each on every backend in a process of its own, so that a crash
-or a hang fails the test instead of ending the run.
+``tests/test_bad_inputs.py`` runs every table of a backend in a process of its own, so that a crash
+or a hang fails the tests of the tables it did not finish instead of ending the run.
 """
 
 from __future__ import annotations
@@ -36,4 +36,6 @@ def run(table: str, backend: str, mode: str = "full") -> list[tuple[str, str, st
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(*sys.argv[1:])))
+    backend, mode, *tables = sys.argv[1:]
+    for table in tables:
+        print(json.dumps({"table": table, "results": run(table, backend, mode)}), flush=True)

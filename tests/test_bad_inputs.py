@@ -29,21 +29,39 @@ from harness import require_backend
 from torch_kernels import backends
 
 TESTS = pathlib.Path(__file__).resolve().parent
-TIME_LIMIT_S = 300
+TIME_LIMIT_S = 600  # a hang guard for all of one backend's tables
 TABLES = families.bad_input_tables()
 ACCEPT = os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")
 
 
-def _in_subprocess(table: str, backend: str, mode: str = "full") -> list[list[str]]:
+def _in_subprocess(table: str, backend: str, mode: str = "full", tables: tuple[str, ...] | None = None) -> list[list[str]]:
+    """``table``'s results on ``backend`` in ``mode``, from a process that runs ``tables`` (default:
+    ``table`` alone) and is shared by every table it runs."""
+    results, ending = _tables_in_subprocess(backend, mode, tables or (table,))
+    if table not in results:
+        pytest.fail(f"{table} table on {backend}: {ending}")
+    return results[table]
+
+
+@functools.cache
+def _tables_in_subprocess(backend: str, mode: str, tables: tuple[str, ...]) -> tuple[dict, str]:
+    """``({table: results}, how the process ended)`` for the tables it finished: one process per backend
+    and mode (importing the backends costs seconds a process), each table printed as it ends."""
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, str(TESTS / "bad_inputs.py"), backend, mode, *tables]
     try:
-        done = subprocess.run([sys.executable, str(TESTS / "bad_inputs.py"), table, backend, mode], capture_output=True,
-                              text=True, cwd=TESTS.parent, env={**os.environ, "PYTHONPATH": path},
-                              timeout=TIME_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{table} table on {backend}: hung for over {TIME_LIMIT_S} s")
-    assert done.returncode == 0, f"{table} table on {backend} crashed (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        done = subprocess.run(command, capture_output=True, text=True, cwd=TESTS.parent,
+                              env={**os.environ, "PYTHONPATH": path}, timeout=TIME_LIMIT_S)
+        output, ending = done.stdout, f"crashed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    except subprocess.TimeoutExpired as e:
+        output, ending = e.stdout or "", f"hung: the tables' process ran over {TIME_LIMIT_S} s"
+        output = output.decode() if isinstance(output, bytes) else output
+    results = {}
+    for line in output.splitlines():
+        if line.startswith('{"table": '):
+            finished = json.loads(line)
+            results[finished["table"]] = finished["results"]
+    return results, ending
 
 
 @functools.cache
@@ -55,10 +73,10 @@ def _format(results) -> str:
     return "\n".join(f"{case} -> {error}: {message}" for case, error, message in results) + "\n"
 
 
-def check_table_on_backend(table: str, backend: str) -> None:
+def check_table_on_backend(table: str, backend: str, tables: tuple[str, ...] | None = None) -> None:
     """Fails unless every row of ``table`` raises its error naming its argument on ``backend``, in
-    a process of its own, with the reference's messages."""
-    results = _in_subprocess(table, backend)
+    a process of its own (shared with ``tables``), with the reference's messages."""
+    results = _in_subprocess(table, backend, tables=tables)
     rows = families.bad_input_tables()[table]
     assert [case for case, _, _ in results] == [row.case for row in rows]
     wrong = [f"{row.case}: expected {row.error.__name__} naming {row.argument!r}, got {error}: {message}"
@@ -83,11 +101,12 @@ def check_pinned_messages(table: str) -> None:
         "with EXPECTTEST_ACCEPT=1)"
 
 
-@pytest.mark.parametrize("backend", backends.BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xdist_group(f"bad-inputs-{b}"))
+                                     for b in backends.BACKENDS])
 @pytest.mark.parametrize("table", TABLES)
 def test_table_on_backend(table, backend):
     require_backend(backend)
-    check_table_on_backend(table, backend)
+    check_table_on_backend(table, backend, tuple(TABLES))
 
 
 @pytest.mark.parametrize("table", TABLES)
@@ -101,7 +120,7 @@ DEFERRED = re.compile(r" \(found by a deferred check\)( \(and \d+ other failed c
 
 # on Triton, the accelerators' default (the checks and what they make safe live in the op layer,
 # shared by every backend; each family's tests hold the others' deferred results)
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.xdist_group("bad-inputs-deferred"))])
 @pytest.mark.parametrize("table", TABLES)
 def test_table_in_deferred_mode(table, backend):
     """In the deferred check mode every row still fails with its full-mode error: a shape, dtype
@@ -110,7 +129,7 @@ def test_table_in_deferred_mode(table, backend):
     require_backend(backend)
     full = {case: (error, message) for case, error, message in bad_inputs.run(table, "reference")}
     wrong = []
-    for case, error, message in _in_subprocess(table, backend, "deferred"):
+    for case, error, message in _in_subprocess(table, backend, "deferred", tuple(TABLES)):
         want_error, want = full[case]
         deferred = DEFERRED.search(message)
         prefix = message[:deferred.start()] if deferred else message
