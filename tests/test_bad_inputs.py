@@ -1,8 +1,9 @@
 """Every family's bad-input tables (``BAD_INPUTS`` in ``tests/families``) on every backend, and
 every message pinned.
 
-Each (table, backend) runs in a process of its own (``tests/bad_inputs.py``) with a time limit, so
-a kernel that crashes or hangs fails its test rather than taking the run down. Every row must
+Each backend's tables run in a process of their own (``tests/bad_inputs.py``) with a time limit, so
+a kernel that crashes or hangs fails the tests of the tables that process did not finish rather
+than taking the run down. Every row must
 raise its error type with a message starting with its argument's name, and every backend must
 give the same messages as the reference. The reference's messages are pinned in full in
 ``tests/families/messages/<table>.txt``: a reworded message, or a table without that file, fails
