@@ -131,7 +131,8 @@ def state_rows(name: str, rows: torch.Tensor, state_name: str, num_rows: int,
     checks.add(repeated, f"{name}: expected each row at most once", lambda: f"got {rows.tolist()}")
     if not checks.deferred:
         return rows, None
-    return torch.where(past, -1, rows), past | (rows < INT32_MIN)
+    bad = past | (rows < INT32_MIN) if rows.dtype == torch.int64 else past
+    return torch.where(past, -1, rows), bad
 
 
 def nan_where(flag: torch.Tensor | None, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -276,6 +277,15 @@ class ValueChecks:
         for failed, message, detail in zip(flags.tolist(), self._messages, self._details):  # the one read
             if failed:
                 raise ValueError(message if detail is None else f"{message}, {detail()}")
+
+
+def checked(device: torch.device, check: Callable, *args):
+    """``check(*args, checks)`` with a :class:`ValueChecks` of the call's mode on ``device``, then
+    finished (in full mode raising the first failure now): what ``check`` returns."""
+    checks = ValueChecks(device)
+    result = check(*args, checks)
+    checks.finish()
+    return result
 
 
 def raise_deferred_errors(device: torch.device | str | None = None) -> None:

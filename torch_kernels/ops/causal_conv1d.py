@@ -135,8 +135,10 @@ def check_update_values(conv_state, cache_seqlens, conv_state_indices,
         negative = cache_seqlens < 0
         checks.add(negative, "cache_seqlens: expected lengths >= 0", lambda: f"got {cache_seqlens.tolist()}")
         if checks.deferred:
-            # a length past int32's range saturates to a valid-looking one: bad
-            bad_lengths = negative | (cache_seqlens > _checks.INT32_MAX)
+            # an int64 length past int32's range saturates to a valid-looking one: bad
+            bad_lengths = negative
+            if cache_seqlens.dtype == torch.int64:
+                bad_lengths = negative | (cache_seqlens > _checks.INT32_MAX)
             bad_entries = bad_lengths if bad_entries is None else bad_entries | bad_lengths
             cache_seqlens = cache_seqlens.clamp(min=0)
     if own:
@@ -163,7 +165,7 @@ def _forward_kernel(x, weight, bias=None, seq_idx=None, initial_states=None, act
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     out = backends.dispatch(FORWARD_OP, _device_type(x), implementation, x.detach(), _contiguous(weight),
                             _contiguous(bias), ids, _contiguous(initial_states), check_activation(activation))
-    if checks.deferred and seq_idx is not None:
+    if checks.deferred and seq_idx is not None and seq_idx.dtype == torch.int64:
         # an id past int32's range was saturated (sequences may merge): its batch entry is NaN
         past = (seq_idx < _checks.INT32_MIN) | (seq_idx > _checks.INT32_MAX)
         out = out.masked_fill(past.any(-1)[:, None, None], torch.nan)

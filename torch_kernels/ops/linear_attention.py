@@ -183,14 +183,6 @@ def check_values(cu_seqlens, length: int, g, checks: _checks.ValueChecks | None 
     return cu_seqlens, offsets_bad
 
 
-def _checked_values(q, cu_seqlens, g):
-    """check_values in the call's mode: ``(cu_seqlens for the kernels, offsets_bad)``."""
-    checks = _checks.ValueChecks(q.device)
-    checked = check_values(cu_seqlens, q.shape[1], g, checks)
-    checks.finish()
-    return checked
-
-
 def _state_shape(q, v, cu_seqlens):
     n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (n, v.shape[2], q.shape[3], v.shape[3])
@@ -244,7 +236,7 @@ class _Family:
     def _forward_kernel(self, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        cu, offsets_bad = _checked_values(q, cu, g)
+        cu, offsets_bad = _checks.checked(q.device, check_values, cu, q.shape[1], g)
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
@@ -270,7 +262,7 @@ class _Family:
     def _backward_kernel(self, do, dht, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        safe_cu, offsets_bad = _checked_values(q, cu, None)  # the forward checked g
+        safe_cu, offsets_bad = _checks.checked(q.device, check_values, cu, q.shape[1], None)  # the forward checked g
         grads = self._run(f"{self.name}_backward", implementation, do.contiguous(), _contiguous(dht),
                           *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(safe_cu),
                           l2norm)

@@ -226,18 +226,21 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     used = torch.arange(max_blocks, device=block_table.device) < pages[:, None]
     bad_entry = (block_table < 0) | (block_table >= num_blocks)
     bad_block = used & bad_entry
-    checks.add(cu_q_lens[0] != 0, "cu_q_lens: expected to start at 0", lambda: f"got {int(cu_q_lens[0])}")
-    checks.add(q_lens < 0, "cu_q_lens: expected non-decreasing offsets",
-               lambda: f"got a decrease at {_first_bad(cu_q_lens[1:], q_lens < 0)}")
-    checks.add(cu_q_lens[-1] != num_tokens, f"cu_q_lens: expected to end at the number of query tokens {num_tokens}",
-               lambda: f"got {int(cu_q_lens[-1])}")
-    checks.add(kv_lens < 0, "kv_lens: expected lengths >= 0", lambda: f"got {_first_bad(kv_lens, kv_lens < 0)}")
-    checks.add(q_lens > kv_lens, "kv_lens: expected each sequence's kv length to count its new query tokens too",
-               lambda: f"got kv length {_first_bad(kv_lens, q_lens > kv_lens)} below its query length "
-                       f"{int(q_lens[(q_lens > kv_lens).nonzero()[0, 0]])}")
-    checks.add(pages > max_blocks, f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's "
-                                   f"{max_blocks} pages of {block_size})",
-               lambda: f"got {_first_bad(kv_lens, pages > max_blocks)}")
+    # each mask made once: the deferred mode's safe inputs below reuse them
+    decreasing, negative, short, too_long = q_lens < 0, kv_lens < 0, q_lens > kv_lens, pages > max_blocks
+    starts_off = checks.add(cu_q_lens[0] != 0, "cu_q_lens: expected to start at 0", lambda: f"got {int(cu_q_lens[0])}")
+    decreases = checks.add(decreasing, "cu_q_lens: expected non-decreasing offsets",
+                           lambda: f"got a decrease at {_first_bad(cu_q_lens[1:], decreasing)}")
+    ends_off = checks.add(cu_q_lens[-1] != num_tokens,
+                          f"cu_q_lens: expected to end at the number of query tokens {num_tokens}",
+                          lambda: f"got {int(cu_q_lens[-1])}")
+    checks.add(negative, "kv_lens: expected lengths >= 0", lambda: f"got {_first_bad(kv_lens, negative)}")
+    checks.add(short, "kv_lens: expected each sequence's kv length to count its new query tokens too",
+               lambda: f"got kv length {_first_bad(kv_lens, short)} below its query length "
+                       f"{int(q_lens[short.nonzero()[0, 0]])}")
+    checks.add(too_long, f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's "
+                         f"{max_blocks} pages of {block_size})",
+               lambda: f"got {_first_bad(kv_lens, too_long)}")
     checks.add(bad_block, f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses",
                lambda: f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}")
     if own:
@@ -245,10 +248,10 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     if not checks.deferred:
         return cu_q_lens, kv_lens, block_table, None
     # any bad offset makes every sequence bad: their rows cannot be told apart
-    offsets_bad = (cu_q_lens[0] != 0) | (cu_q_lens[-1] != num_tokens) | (q_lens < 0).any()
+    offsets_bad = starts_off | ends_off | decreases
     safe_cu = _checks.safe_offsets(cu_q_lens, num_tokens)
     safe_q = safe_cu[1:] - safe_cu[:-1]
-    seq_bad = offsets_bad | (kv_lens < 0) | (q_lens > kv_lens) | (pages > max_blocks) | bad_block.any(1)
+    seq_bad = offsets_bad | negative | short | too_long | bad_block.any(1)
     safe_kv = torch.where(seq_bad, safe_q, kv_lens)
     safe_table = torch.where(seq_bad[:, None] | bad_entry, 0, block_table)
     width = max(max_blocks, -(-num_tokens // block_size))  # pages enough for a bad sequence's own rows

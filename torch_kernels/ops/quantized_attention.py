@@ -149,14 +149,6 @@ def check_lengths(cu_seqlens_q, cu_seqlens_k, nq: int, nk: int, checks: _checks.
     return cu_q, cu_k, None if bad_q is None else bad_q | bad_k
 
 
-def _checked_lengths(q, k, cu_q, cu_k):
-    """check_lengths in the call's mode: ``(cu_q, cu_k, offsets_bad)`` for the kernels."""
-    checks = _checks.ValueChecks(q.device)
-    checked = check_lengths(cu_q, cu_k, q.shape[2], k.shape[2], checks)
-    checks.finish()
-    return checked
-
-
 def _index(cu):
     return None if cu is None else cu.long().contiguous()
 
@@ -176,7 +168,7 @@ def _forward_kernel(*args):
         _forward_args(args)
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
                  smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
-    cu_q, cu_k, offsets_bad = _checked_lengths(q, k, cu_q, cu_k)
+    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2])
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     cu_q, cu_k = _index(cu_q), _index(cu_k)
     # once here, so every backend smooths with the same numbers
@@ -227,7 +219,7 @@ def _backward(ctx, grad_out, grad_lse):
 # ---- backward ----
 
 def _backward_kernel(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_q=None, cu_k=None, implementation=None):
-    cu_q, cu_k, offsets_bad = _checked_lengths(q, k, cu_q, cu_k)
+    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2])
     prep = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
     grads = backends.dispatch(BACKWARD_OP, _device_type(q), implementation, prep(grad_out).to(q.dtype),
                               prep(grad_lse), prep(q), prep(k), prep(v), float(sm_scale), causal, _index(cu_q),

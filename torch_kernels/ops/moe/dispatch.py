@@ -229,9 +229,7 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, m
     check_ids(topk_ids, num_experts, x.shape[0])
     _checks.same_device(x=x, topk_ids=topk_ids)
     if not torch.compiler.is_compiling():
-        checks = _checks.ValueChecks(x.device)
-        topk_ids = check_ids_range(topk_ids, num_experts, checks)
-        checks.finish()
+        topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, num_experts)
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
     x_sorted = moe_gather_op(x, token_of_row, row_of_slot, backends.implementation_arg(implementation))
     return x_sorted, offsets, MoEHandle(token_of_row, row_of_slot, int(num_experts))

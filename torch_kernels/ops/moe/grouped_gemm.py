@@ -72,9 +72,7 @@ def _weight_layout(w):
 
 def _grouped_kernel(x, w, offsets, out_dtype=None, implementation=None):
     _check_grouped(x, w, offsets, out_dtype)
-    checks = _checks.ValueChecks(x.device)
-    offsets, bad = check_offsets(offsets, x.shape[0], checks)
-    checks.finish()
+    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0])
     if not x.shape[1] or not w.shape[2]:  # nothing to multiply: the same zeros on every backend
         out = x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
     else:
@@ -107,9 +105,7 @@ def _grouped_backward(ctx, d_out):
 
 
 def _weight_grad_kernel(x, dy, offsets, num_experts, out_dtype, implementation=None):
-    checks = _checks.ValueChecks(x.device)
-    offsets, bad = check_offsets(offsets, x.shape[0], checks)
-    checks.finish()
+    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0])
     if not (x.shape[1] and dy.shape[1] and num_experts):  # an empty gradient (grouped_mm with K, N or E 0)
         grad = x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype)
     else:
