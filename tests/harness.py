@@ -39,8 +39,13 @@ def require_backend(name: str) -> None:
     pytest.skip(f"backend {name} unavailable here: {reason}")
 
 
-def backend_params(op: str, exclude=()):
-    return [pytest.param(b, id=b) for b in backends.implementations(op) if b not in exclude]
+def backend_params(op: str, exclude=(), skip: dict[str, str] | None = None):
+    """``op``'s backends as parameters, less ``exclude`` (backends the test does not concern, such
+    as the reference it compares against); each of ``skip`` (``{backend: reason}``) stays a
+    parameter that skips with its reason, so a backend left out for time shows in the report."""
+    skip = skip or {}
+    return [pytest.param(b, id=b, marks=[pytest.mark.skip(reason=skip[b])] if b in skip else [])
+            for b in backends.implementations(op) if b not in exclude]
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = "") -> None:

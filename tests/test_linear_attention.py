@@ -289,9 +289,9 @@ def _deferred_case(op):
 
 
 @pytest.mark.parametrize("op", family_ops.OPS)
-# not pallas: the checks are the op layer's, shared by every backend, and its interpreted kernels
-# take 10 s per op here
-@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA, exclude=("pallas",)))
+@pytest.mark.parametrize("backend", backend_params(CHUNK_DELTA, skip={
+    "pallas": "the checks are the op layer's, shared by every backend, and pallas' interpreted kernels take 10 s per "
+              "op here"}))
 def test_deferred_mode_makes_bad_offsets_nan_and_keeps_a_positive_gate(backend, op):
     """In the deferred check mode a bad value raises nothing at the call, and on Triton (the
     accelerator's path) nothing is read on the host: offsets that do not add up make o, the final

@@ -152,9 +152,9 @@ def test_per_head_decay_broadcast_over_channels_is_gated_deltanet(backend, op):
     torch.testing.assert_close(ht, ht_gdn, rtol=1e-5, atol=1e-5)
 
 
-# pallas's kernels load every input as float32, as its Gated DeltaNet kernels do: a bfloat16
-# compile of its interpreted kernels would cost more test time than it adds
-@pytest.mark.parametrize("backend", backend_params(CHUNK, exclude=("pallas",)))
+@pytest.mark.parametrize("backend", backend_params(CHUNK, skip={
+    "pallas": "pallas' kernels load every input as float32, as its Gated DeltaNet kernels do: a bfloat16 compile of "
+              "its interpreted kernels would cost more test time than it adds"}))
 def test_bfloat16_inputs(backend):
     """bfloat16 q, k, v through chunk_kda: o in bfloat16, the state and arithmetic float32; the
     gradients against the definition on the same rounded inputs within the family's bounds."""
@@ -165,9 +165,9 @@ def test_bfloat16_inputs(backend):
     assert errors["o"] <= 1e-2
 
 
-# pallas's two forms each match the definition above; two more compiles of its interpreted
-# kernels (prompt and prompt + token) would cost more test time than they add
-@pytest.mark.parametrize("backend", backend_params(CHUNK, exclude=("pallas",)))
+@pytest.mark.parametrize("backend", backend_params(CHUNK, skip={
+    "pallas": "pallas' two forms each match the definition (test_matches_definition); two more compiles of its "
+              "interpreted kernels (prompt and prompt + token) would cost more test time than they add"}))
 def test_decode_step_continues_the_chunked_prefill(backend):
     """A prompt through chunk_kda, then one token through fused_recurrent_kda from its final
     state: the token's output equals the chunked form's over prompt + token."""
