@@ -90,10 +90,13 @@ def test_sycl_mla_builds_spirv():
 # --- Triton: every kernel at its default config, compiled for sm_90 and sm_80 ---------------------
 #
 # The builds and their analysis live in triton_impl/compile_report.py (benchmarks/compiled_kernels.py
-# writes the same rows as a report, every build for both archs, and commits it). CI builds every kernel
+# writes the same rows as a report, every build for both archs, and commits it). CI checks every kernel
 # at every size it serves, for a share of the dtypes, for sm_90, and for sm_80 the groups whose committed
 # report comes near sm_80's shared memory; TORCH_KERNELS_COMPILE_ALL=1 builds every size for every dtype
-# for both (about 400 builds, minutes).
+# for both (about 400 builds, minutes). A build whose key (compile_report.build_key: the kernel's source
+# and everything it uses, the build's arguments, the target, Triton's version) has a row in the committed
+# report is checked on that row, which compiling it again would give (test_committed_rows_are_what_builds_give);
+# a build the report lacks, as after a kernel changed, is compiled here.
 
 COMPILE_ALL = os.environ.get("TORCH_KERNELS_COMPILE_ALL") == "1"
 REPORT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "compiled_kernels.json"
@@ -106,14 +109,18 @@ GROUPS = compile_report.build_groups(COMPILE_ALL) if compile_report else {"trito
 ARCHS = compile_report.ARCHS if compile_report else (90, 80)
 
 
+def _committed_rows() -> list[dict]:
+    return json.loads(REPORT.read_text())
+
+
 def _group_archs() -> list:
-    """(group, arch) pairs CI builds: every group for the first arch (sm_90, the GPU the kernels are
+    """(group, arch) pairs CI checks: every group for the first arch (sm_90, the GPU the kernels are
     tuned on); for the others the groups with a build whose committed report row uses over
     ``NEAR_THE_LIMIT`` of that arch's shared memory per block (the ones a change could push past it;
     the report has every build for every arch). TORCH_KERNELS_COMPILE_ALL=1: every group for every arch."""
     if compile_report is None:
         return [(group, arch) for arch in ARCHS for group in GROUPS]
-    near = {(row["family"], row["kernel"], row["arch"]) for row in json.loads(REPORT.read_text())
+    near = {(row["family"], row["kernel"], row["arch"]) for row in _committed_rows()
             if row["shared_bytes"] > NEAR_THE_LIMIT * row["shared_limit"]}
     return [(group, arch) for arch in ARCHS for group, make in GROUPS.items()
             if COMPILE_ALL or arch == ARCHS[0] or any((b.family, b.label, f"sm_{arch}") in near for b in make(arch))]
@@ -121,26 +128,45 @@ def _group_archs() -> list:
 
 @pytest.fixture(scope="module")
 def build_pool():
-    """Worker processes for the builds: each is a few seconds of single-threaded compiling."""
+    """Worker processes for the builds (each is a few seconds of single-threaded compiling), started
+    by the first test with something to build."""
     require_backend("triton")
-    with compile_report.process_pool() as pool:
-        yield pool
+    pools = []
+
+    def pool():
+        if not pools:
+            pools.append(compile_report.process_pool().__enter__())
+        return pools[0]
+
+    yield pool
+    for started in pools:
+        started.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def committed():
+    """The committed report's rows by build key (COMPILE_ALL: none, everything is built)."""
+    return {} if COMPILE_ALL else {row["build_key"]: row for row in _committed_rows() if "build_key" in row}
 
 
 @pytest.mark.parametrize("group, arch", _group_archs(), ids=[f"{group}-{arch}" for group, arch in _group_archs()])
-def test_triton_kernels_build_and_fit_the_gpu(group, arch, build_pool, record_property):
+def test_triton_kernels_build_and_fit_the_gpu(group, arch, build_pool, committed, record_property):
     """Each build's PTX targets ``arch`` and its cubin exists; no build spills a register, asks for
     more shared memory than a block of ``arch`` may have (it would compile, then fail to launch),
     leaves a dot short of the tensor-core instruction its operands and tile allow, or takes 8-wide
     tf32 wgmma tiles, which Triton reads past their shared memory with (``compile_report.problems``).
-    The rows are printed and recorded."""
+    Builds the committed report lacks are compiled; the rows are printed and recorded."""
     every_build = GROUPS[group](arch)
     assert every_build, group
     builds = compile_report.builds_for(every_build, arch)
     if not builds:
         pytest.skip(f"every build takes float8_e4m3fn, which Triton has from sm_89 on, not sm_{arch}")
-    rows = [job.result() for job in [compile_report.submit(build_pool, build, arch) for build in builds]]
-    table = "\n".join([f"sm_{arch}, shared memory limit {compile_report.GPUS[arch].shared_per_block:,} bytes",
+    keys = [compile_report.build_key(build, arch) for build in builds]
+    jobs = {key: compile_report.submit(build_pool(), build, arch) for key, build in zip(keys, builds)
+            if key not in committed}
+    rows = [committed[key] if key not in jobs else jobs[key].result() for key in keys]
+    table = "\n".join([f"sm_{arch}, shared memory limit {compile_report.GPUS[arch].shared_per_block:,} bytes; "
+                       f"{len(jobs)} of {len(rows)} builds compiled here (the others' keys are in the committed report)",
                        f"{'kernel':70s} {'shared':>8s} {'regs':>5s} {'spill':>6s} {'tensor cores':>12s} {'occupancy':>9s}"]
                       + [f"{row['kernel']:70s} {row['shared_bytes']:8d} {row['registers']:5d} {row['spill_bytes']:6d} "
                          f"{row['tensor_cores']:>12s} {row['occupancy']:9.0%}" for row in rows])
@@ -149,6 +175,33 @@ def test_triton_kernels_build_and_fit_the_gpu(group, arch, build_pool, record_pr
     assert all(row["cubin_bytes"] > 1000 for row in rows), group
     problems = [f"{row['kernel']}: {problem}" for row in rows for problem in compile_report.problems(row)]
     assert not problems, f"sm_{arch}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_committed_rows_are_what_builds_give(arch, committed):
+    """A committed row is what compiling its build gives now: one build per arch (the smallest
+    family's first, a few seconds) compiled and compared with its row, field by field. Keeps the
+    toolchain path running in every run and the keys honest."""
+    require_backend("triton")
+    build = min((b for make in GROUPS.values() for b in compile_report.builds_for(make(arch), arch)),
+                key=lambda b: (b.family != "ood", b.family, b.label))
+    key = compile_report.build_key(build, arch)
+    assert key in committed, "regenerate the report: python benchmarks/compiled_kernels.py"
+    fresh = compile_report.analyze(build, arch)
+    assert {k: v for k, v in fresh.items() if k != "dot_detail"} == committed[key]
+
+
+def test_committed_report_is_current(committed):
+    """Every build CI checks has its row, under its current key, in the committed report: a kernel
+    changed or added lands with its report regenerated (python benchmarks/compiled_kernels.py)."""
+    require_backend("triton")
+    if COMPILE_ALL:
+        pytest.skip("TORCH_KERNELS_COMPILE_ALL=1 builds every kernel instead of reading the report")
+    stale = sorted({f"{build.family} {build.label} sm_{arch}" for group, arch in _group_archs()
+                    for build in compile_report.builds_for(GROUPS[group](arch), arch)
+                    if compile_report.build_key(build, arch) not in committed})
+    assert not stale, ("builds without a current row in benchmarks/results/compiled_kernels.json (regenerate it: "
+                       f"python benchmarks/compiled_kernels.py): {stale}")
 
 
 def test_every_triton_kernel_is_built():

@@ -211,9 +211,27 @@ def _tensor_core_summary(found: list[dict], ptx: str) -> tuple[str, str]:
 _NARROW_TF32_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32\.tf32")
 
 
+def build_key(build: Build, arch: int) -> str:
+    """What a build's report row stands for: a hash of the kernel's source with every jitted
+    function and constexpr global it uses (Triton's ``cache_key``), the build's arguments, the
+    target, the Triton version and this module's and ``compile_for``'s own source. Two builds with
+    one key compile to the same binary with the same analysis, so a committed row with this key
+    is what compiling it again would give."""
+    import hashlib
+    import inspect
+
+    import triton
+
+    from . import compile_for
+
+    parts = (triton.__version__, build.kernel.cache_key, repr(build.key()[1:]), arch,
+             inspect.getsource(compile_for), inspect.getsource(importlib.import_module(__name__)))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
 def analyze(build: Build, arch: int) -> dict:
     """Compile ``build`` for ``arch`` and return its report row (the module docstring's columns;
-    ``spill_bytes`` is spill stores plus spill loads, per thread)."""
+    ``spill_bytes`` is spill stores plus spill loads, per thread; ``build_key`` is :func:`build_key`)."""
     from . import compile_for, resource_usage
 
     compiled = compile_for(build.kernel, build.signature, build.constexprs, arch, build.num_warps, build.num_stages,
@@ -233,6 +251,7 @@ def analyze(build: Build, arch: int) -> dict:
         "dot_detail": found, "narrow_tf32_wgmma": len(_NARROW_TF32_WGMMA.findall(ptx)),
         **occupancy(usage["registers"], usage["shared"], build.num_warps, arch),
         "targets_arch": f".target sm_{arch}" in ptx, "cubin_bytes": len(compiled.asm["cubin"]),
+        "build_key": build_key(build, arch),
     }
 
 
@@ -264,7 +283,9 @@ def problems(row: dict) -> list[str]:
                      "past their shared memory with (triton-lang/triton#10629): fewer warps or a wider dot")
     if row["shared_bytes"] > row["shared_limit"]:
         found.append(f"{row['shared_bytes']:,} bytes of shared memory, over {row['shared_limit']:,}")
-    for dot in row["dot_detail"]:
+    if "dot_detail" not in row and row["dots_short"]:  # a committed row keeps the count only
+        found.append(f"{row['dots_short']} dot(s) short of the tensor-core instruction their operands and tile allow")
+    for dot in row.get("dot_detail", ()):
         if _ORDER[dot["instruction"]] < _ORDER[dot["best"]]:
             found.append(f"a {dot['m']}x{dot['n']}x{dot['k']} {dot['operands']} ({dot['precision']}) dot became "
                          f"{dot['instruction']}, where {dot['best']} was possible")
