@@ -205,6 +205,24 @@ def _tensor_core_summary(found: list[dict], ptx: str) -> tuple[str, str]:
     return "+".join(used) or "none", "; ".join(reasons)
 
 
+_TMA_COPY = re.compile(r"\bcp\.async\.bulk\.tensor\b")
+_ASYNC_COPY = re.compile(r"\bcp\.async\.(?:ca|cg)\b")
+_COPY_WAIT = re.compile(r"\bcp\.async\.wait_group\s+(\d+)")
+
+
+def async_copies(ptx: str) -> dict:
+    """How a kernel's loads reach shared memory: ``async_copies`` is ``"tma"`` (Hopper's tensor
+    memory accelerator, ``cp.async.bulk.tensor``), ``"cp.async"`` (Ampere's asynchronous copies,
+    which Triton's software pipeliner emits for a loop's loads) or ``"none"`` (plain loads, nothing
+    overlapped with compute); ``async_copy_instructions`` counts them; ``copies_in_flight`` is the
+    most copy groups a ``cp.async.wait_group`` leaves outstanding (0: each wait drains every copy,
+    so loads and compute do not overlap)."""
+    tma, plain = len(_TMA_COPY.findall(ptx)), len(_ASYNC_COPY.findall(ptx))
+    waits = [int(n) for n in _COPY_WAIT.findall(ptx)]
+    return {"async_copies": "tma" if tma else "cp.async" if plain else "none",
+            "async_copy_instructions": tma + plain, "copies_in_flight": max(waits, default=0)}
+
+
 # tf32 wgmma tiles 8 wide (as when 8 warps split a 16-wide float32 dot in two): Triton from 3.6 on can
 # read past their shared memory with them (triton-lang/triton#10629); a linear-attention kernel built
 # so is where an H200 run hit an illegal memory access
@@ -248,6 +266,7 @@ def analyze(build: Build, arch: int) -> dict:
         "shared_bytes": usage["shared"], "shared_limit": GPUS[arch].shared_per_block,
         "tensor_cores": tensor_cores, "tensor_core_note": reason,
         "dots": len(found), "dots_short": sum(_ORDER[d["instruction"]] < _ORDER[d["best"]] for d in found),
+        "num_stages": compiled.metadata.num_stages, **async_copies(ptx),
         "dot_detail": found, "narrow_tf32_wgmma": len(_NARROW_TF32_WGMMA.findall(ptx)),
         **occupancy(usage["registers"], usage["shared"], build.num_warps, arch),
         "targets_arch": f".target sm_{arch}" in ptx, "cubin_bytes": len(compiled.asm["cubin"]),
@@ -293,14 +312,21 @@ def problems(row: dict) -> list[str]:
 
 
 def worst(rows: list[dict]) -> list[dict]:
-    """Per family and architecture: the most registers and spilled bytes, the lowest occupancy."""
+    """Per family and architecture: the most registers and spilled bytes, the lowest occupancy, and
+    how many builds with matrix products do not overlap their loads with compute (no asynchronous
+    copy, or ``cp.async`` copies every wait drains)."""
     summary = {}
     for row in rows:
         key = (row["family"], row["arch"])
         entry = summary.setdefault(key, {"family": row["family"], "arch": row["arch"], "builds": 0, "registers": 0,
                                          "spill_bytes": 0, "shared_bytes": 0, "occupancy": math.inf,
-                                         "lowest_occupancy_kernel": "", "tensor_core_misses": 0})
+                                         "lowest_occupancy_kernel": "", "tensor_core_misses": 0,
+                                         "dot_builds": 0, "dot_builds_unpipelined": 0})
         entry["builds"] += 1
+        if row["dots"]:
+            entry["dot_builds"] += 1
+            entry["dot_builds_unpipelined"] += row["async_copies"] == "none" or (
+                row["async_copies"] == "cp.async" and row["copies_in_flight"] == 0)
         entry["registers"] = max(entry["registers"], row["registers"])
         entry["spill_bytes"] = max(entry["spill_bytes"], row["spill_bytes"])
         entry["shared_bytes"] = max(entry["shared_bytes"], row["shared_bytes"])
