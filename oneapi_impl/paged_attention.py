@@ -171,13 +171,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
-                           layout: Layout | None = None):
+                           layout: Layout | None = None, out: torch.Tensor | None = None):
     """Attention of each sequence's new query tokens over its paged keys and values.
 
     ``query [T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``; returns ``[T, Hq, D]`` in
     query's dtype. With ``key`` given, the new tokens are first written to the caches (in place),
-    as ``reshape_and_cache`` does. ``layout`` overrides ``default_layout``.
+    as ``reshape_and_cache`` does. ``layout`` overrides ``default_layout``. A given ``out`` (query's
+    shape and dtype) receives the result, copied from the kernel's USM buffer, and is returned.
     """
+    into = out
     _supported(query.dtype, key_cache, query, value_cache, cu_q_lens, kv_lens, block_table,
                k_scale, v_scale, key, value, slot_mapping)
     if soft_cap is not None and not 1e-37 < soft_cap < 1e37:
@@ -189,7 +191,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     macros = _macros(query.dtype, key_cache.dtype, head_size)
     out_mem, out = _runtime.usm_empty(tuple(query.shape), query.dtype)
     if num_tokens == 0 or num_seqs == 0:
-        return out.zero_()
+        return out.zero_() if into is None else into.zero_()
 
     caches = device_caches(key_cache, value_cache)
     write = None
@@ -226,7 +228,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         blocks, offsets = _slot_index(key_cache, slot_mapping[slot_mapping >= 0])
         for cache, written in zip((key_cache, value_cache), caches):
             _bytes(cache)[blocks, offsets] = _bytes(written.view)[blocks, offsets]
-    return out
+    return out if into is None else into.copy_(out)
 
 
 def spirv_binaries() -> list[bytes]:

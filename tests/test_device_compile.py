@@ -166,7 +166,7 @@ def test_triton_kernels_build_and_fit_the_gpu(group, arch, build_pool, committed
             if key not in committed}
     rows = [committed[key] if key not in jobs else jobs[key].result() for key in keys]
     table = "\n".join([f"sm_{arch}, shared memory limit {compile_report.GPUS[arch].shared_per_block:,} bytes; "
-                       f"{len(jobs)} of {len(rows)} builds compiled here (the others' keys are in the committed report)",
+                       f"{len(jobs)} of {len(rows)} builds compiled here (the others' rows are the committed ones)",
                        f"{'kernel':70s} {'shared':>8s} {'regs':>5s} {'spill':>6s} {'tensor cores':>12s} {'occupancy':>9s}"]
                       + [f"{row['kernel']:70s} {row['shared_bytes']:8d} {row['registers']:5d} {row['spill_bytes']:6d} "
                          f"{row['tensor_cores']:>12s} {row['occupancy']:9.0%}" for row in rows])

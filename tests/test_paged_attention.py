@@ -1065,6 +1065,39 @@ def test_opcheck(backend):
     key_cache, value_cache = fused.caches()
     run_opcheck(ops.reshape_and_cache_op, (fused.key, fused.value, key_cache, value_cache, fused.slot_mapping,
                                            fused.k_scale, fused.v_scale, backend))
+    out = torch.empty_like(fused.query)
+    run_opcheck(ops.ragged_paged_attention_out_op, (out, *_schema_args(fused, backend)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_receives_what_the_op_returns(backend):
+    """``out=``: the output written into the given buffer, bit for bit what the call returns without
+    it (with the fused write: the caches too), returned as it is; a strided ``out`` gets a copy; in
+    deferred mode a bad sequence's rows of ``out`` are NaN."""
+    require_backend(backend)
+    batch = make_batch(_fused_spec(torch.float32, torch.int8))
+    want_caches, got_caches, strided_caches = batch.caches(), batch.caches(), batch.caches()
+    want = batch.attend(want_caches, implementation=backend)
+    out = torch.full_like(want, 7.0)
+    assert batch.attend(got_caches, implementation=backend, out=out) is out
+    assert torch.equal(out, want)
+    for got, expected in zip(got_caches, want_caches):
+        assert torch.equal(got, expected)
+    strided = torch.full((*want.shape[:-1], 2 * want.shape[-1]), 7.0)[..., ::2]
+    assert batch.attend(strided_caches, implementation=backend, out=strided) is strided
+    assert torch.equal(strided, want)
+
+    plain = make_batch(_fused_spec(torch.float32, None, fused=False))
+    kw = plain.inputs(caches=plain.caches())
+    kw["kv_lens"] = kw["kv_lens"].clone()
+    kw["kv_lens"][0] = -1  # sequence 0's rows become NaN, the others stay
+    with torch_kernels.checks("deferred"):
+        out = torch.full_like(plain.query, 7.0)
+        torch_kernels.ragged_paged_attention(**kw, implementation=backend, out=out)
+    with pytest.raises(ValueError, match="^kv_lens: expected lengths >= 0"):
+        torch_kernels.raise_deferred_errors()
+    rows = int(plain.cu_q_lens[1])
+    assert rows and out[:rows].isnan().all() and not out[rows:].isnan().any()
 
 
 class DecoderLayer(torch.nn.Module):
@@ -1087,6 +1120,21 @@ class DecoderLayer(torch.nn.Module):
             implementation="reference",
         )
         return x + self.o_proj(out.reshape(t, hq * d))
+
+
+def test_compile_fullgraph_writes_into_out():
+    """``out=`` inside a compiled function: the op mutates the buffer (functionalized), eager's values."""
+    batch = make_batch(_fused_spec(torch.float32, None))
+
+    def attend(out, *caches):
+        torch_kernels.ragged_paged_attention(**batch.inputs(caches=caches), out=out)
+        return out * 2
+
+    eager_out, compiled_out = torch.zeros_like(batch.query), torch.zeros_like(batch.query)
+    want = attend(eager_out, *batch.caches())
+    got = compiled_fullgraph(attend)(compiled_out, *batch.caches())
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled_out, eager_out)
 
 
 def test_compile_fullgraph_decoder_layer():

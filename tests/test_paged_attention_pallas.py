@@ -363,6 +363,12 @@ with env:
     kci, vci = kc.clone(), vc.clone()
     torch.ops.torch_kernels.reshape_and_cache(jk, jv, kci, vci, js, ks, vs)
     written = (kci.to("cpu"), vci.to("cpu"))
+    kci, vci, into = kc.clone(), vc.clone(), torch.zeros_like(q)
+    assert torch_kernels.ragged_paged_attention(q, kci, vci, cu, kv, table, 0.125, 24, None, ks, vs, jk, jv, js,
+                                                out=into) is into
+    into_written = (into.to("cpu"), kci.to("cpu"), vci.to("cpu"))
+    with pytest.raises(TypeError, match="^out: expected dtype"):
+        torch_kernels.ragged_paged_attention(q, kc, vc, cu, kv, table, 0.125, out=torch.zeros_like(q).half())
     with pytest.raises(NotImplementedError, match="torchax tensors run"):
         torch_kernels.ragged_paged_attention(q, kc, vc, cu, kv, table, 0.125, implementation="triton")
     with pytest.raises(ValueError, match="block_table"):
@@ -371,5 +377,7 @@ for impl, (out, kci, vci) in results.items():
     assert_close(out, expected, torch.float32, what=impl)
     assert same_bytes(kci, want_k) and same_bytes(vci, want_v), impl
 assert same_bytes(written[0], want_k) and same_bytes(written[1], want_v)
+assert torch.equal(into_written[0], results["pallas"][0]), "out= on torchax"
+assert same_bytes(into_written[1], want_k) and same_bytes(into_written[2], want_v)
 print("torchax ok")
 """

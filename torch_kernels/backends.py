@@ -265,8 +265,9 @@ def _joined(ran: str, backend: str) -> str:
     return ran if backend in ran.split("+") else f"{ran}+{backend}"
 
 
-def dispatch(op: str, device_type: str, implementation: str | None, *args):
-    """Run ``op``'s kernel on the first usable backend for this call; see the module docstring."""
+def dispatch(op: str, device_type: str, implementation: str | None, *args, **kwargs):
+    """Run ``op``'s kernel on the first usable backend for this call, with ``args`` and ``kwargs``;
+    see the module docstring."""
     order, explicit = resolve(device_type, implementation)
     why: list[str] = []
     for backend, fn, reason in _plan(op, order):
@@ -276,9 +277,9 @@ def dispatch(op: str, device_type: str, implementation: str | None, *args):
         try:
             if _profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"torch_kernels::{op}[{backend}]"):
-                    out = fn(*args)
+                    out = fn(*args, **kwargs)
             else:
-                out = fn(*args)
+                out = fn(*args, **kwargs)
             observer = _observer
             if observer is not None and (calls := observer.calls) and (ran := calls[-1]) != backend:
                 calls[-1] = backend if not ran else _joined(ran, backend)

@@ -495,8 +495,9 @@ def config_space(num_tokens: int, num_seqs: int, group: int, head_size: int, max
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
-                           config: Config | None = None):
-    """The attention kernel (and merge) on CUDA/XPU tensors, or interpreted on CPU tensors.
+                           config: Config | None = None, out: torch.Tensor | None = None):
+    """The attention kernel (and merge) on CUDA/XPU tensors, or interpreted on CPU tensors;
+    written into ``out`` (contiguous, query's shape and dtype) where given.
 
     Contract: ``torch_kernels.reference.paged_attention.ragged_paged_attention``. float32 queries
     multiply in float32 (tf32x3); float16/bfloat16 in their own dtype; float32 accumulation.
@@ -509,7 +510,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         cu_q_lens, kv_lens, block_table, slot_mapping, block_size, num_blocks)
     if key is not None and not fused:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads

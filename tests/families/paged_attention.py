@@ -148,6 +148,14 @@ ATTENTION = [  # (case, argument, error, change of the good call's keyword argum
     ("k_scale negative", "k_scale", ValueError, set_arg("k_scale", torch.tensor(-0.5))),
     ("v_scale nan", "v_scale", ValueError, set_arg("v_scale", torch.tensor([math.nan, 1.0]))),
     ("v_scale inf", "v_scale", ValueError, set_arg("v_scale", torch.tensor([math.inf]))),
+    ("out dtype", "out", TypeError, set_arg("out", torch.empty(5, 4, 64, dtype=torch.float16))),
+    ("out shape", "out", ValueError, set_arg("out", torch.empty(5, 4, 32))),
+    ("out not a tensor", "out", TypeError, set_arg("out", [0.0] * 5)),
+    ("out on meta", "out", ValueError, set_arg("out", torch.empty(5, 4, 64, device="meta"))),
+    ("out entries sharing memory", "out", ValueError, set_arg("out", torch.empty(1, 1, 64).expand(5, 4, 64))),
+    ("out is the query", "out", ValueError, lambda kw: kw.update(out=kw["query"])),
+    ("out inside the key cache", "out", ValueError,
+     lambda kw: kw.update(out=kw["key_cache"].reshape(-1)[64:64 + 5 * 4 * 64].view(5, 4, 64))),
 ]
 
 WRITE = [

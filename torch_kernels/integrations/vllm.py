@@ -367,13 +367,12 @@ class TorchKernelsAttentionImpl(AttentionImpl):
         key_cache, value_cache = self._caches(kv_cache)
         writes = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         quantized = self.kv_cache_dtype in FP8_CACHE_DTYPES
-        # the op returns its output (it takes no output buffer): one copy into vLLM's
-        output[:rows] = ragged_paged_attention(
+        ragged_paged_attention(  # written into vLLM's output buffer, no copy
             query[:rows], key_cache, value_cache, attn_metadata.cu_q_lens, attn_metadata.kv_lens,
             attn_metadata.block_table, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             k_scale=layer._k_scale if quantized else None, v_scale=layer._v_scale if quantized else None,
             key=key[:rows] if writes else None, value=value[:rows] if writes else None,
-            slot_mapping=attn_metadata.slot_mapping if writes else None)
+            slot_mapping=attn_metadata.slot_mapping if writes else None, out=output[:rows])
         return output
 
 

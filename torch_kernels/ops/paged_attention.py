@@ -29,6 +29,7 @@ __all__ = ["reshape_and_cache", "ragged_paged_attention"]
 
 WRITE_OP = "reshape_and_cache"
 OP = "ragged_paged_attention"
+OUT_OP = "ragged_paged_attention_out"  # OP writing into a given buffer; it runs OP's backends
 
 backends.register(WRITE_OP, "reference", reference.reshape_and_cache)
 backends.register(WRITE_OP, "triton", "triton_impl.paged_attention:reshape_and_cache")
@@ -351,11 +352,46 @@ reshape_and_cache_op = define(
 )
 
 
-def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                      sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
-                      slot_mapping=None, implementation=None):
+def check_out(out, query) -> None:
+    """``out`` receives the attention output in place: a tensor of query's shape, dtype and device
+    whose entries do not share memory (no data read)."""
+    _checks.tensor("out", out)
+    if out.dtype != query.dtype:
+        raise TypeError(f"out: expected dtype {query.dtype} (as query), got {out.dtype}")
+    if out.shape != query.shape:
+        raise ValueError(f"out: expected shape {tuple(query.shape)} (as query), got {tuple(out.shape)}")
+    _checks.same_device(query=query, out=out)
+    _checks.written_in_place("out", out)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, past the last)`` a tensor's entries span."""
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_out_apart(out, **inputs) -> None:
+    """``out`` shares no memory with an input: the kernels read those while writing it."""
+    if not out.numel():
+        return
+    start, end = _extent(out)
+    for name, t in inputs.items():
+        if t is not None and t.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            first, past = _extent(t)
+            if first < end and start < past:
+                raise ValueError(f"out: expected memory apart from {name}'s (the kernels read {name} while writing "
+                                 "out)")
+
+
+def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window, soft_cap,
+               k_scale, v_scale, key, value, slot_mapping, implementation, out):
+    """Both ops' kernel: checks, then the backend, whose result goes to ``out`` where given (a
+    contiguous ``out`` is written by the backend itself)."""
     check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                  soft_cap, k_scale, v_scale, key, value, slot_mapping)
+    if out is not None:
+        check_out(out, query)
+        _check_out_apart(out, query=query, key_cache=key_cache, value_cache=value_cache, key=key, value=value)
     checks = _checks.ValueChecks(query.device)
     cu_q_lens, kv_lens, block_table, bad_rows = _checked_lengths(checks, query, key_cache, cu_q_lens, kv_lens,
                                                                  block_table)
@@ -372,14 +408,32 @@ def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_t
             backends.dispatch(WRITE_OP, kind, implementation, key, value, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale)
             key = value = slot_mapping = None
-    out = backends.dispatch(
+    into = {} if out is None or not out.is_contiguous() else {"out": out}
+    result = backends.dispatch(
         OP, kind, implementation, query.contiguous(), key_cache, value_cache,
         # a window past every int32 length is no window; kernels index positions in int32
         cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale),
         None if sliding_window is None or sliding_window >= 2**31 - 1 else sliding_window,
-        None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value, slot_mapping,
+        None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value, slot_mapping, **into,
     )
-    return nan_rows(out, bad_rows)
+    if out is not None and result is not out:
+        out.copy_(result)
+        result = out
+    return nan_rows(result, bad_rows)
+
+
+def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                      sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                      slot_mapping=None, implementation=None):
+    return _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
+                      soft_cap, k_scale, v_scale, key, value, slot_mapping, implementation, None)
+
+
+def _attention_out_kernel(out, query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                          sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                          slot_mapping=None, implementation=None):
+    _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window, soft_cap,
+               k_scale, v_scale, key, value, slot_mapping, implementation, out)
 
 
 def _attention_fake(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
@@ -390,14 +444,27 @@ def _attention_fake(query, key_cache, value_cache, cu_q_lens, kv_lens, block_tab
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-ragged_paged_attention_op = define(
-    "ragged_paged_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cu_q_lens, "
+_ATTENTION_ARGUMENTS = (
+    "Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cu_q_lens, "
     "Tensor kv_lens, Tensor block_table, float sm_scale, int? sliding_window=None, float? soft_cap=None, "
     "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? key=None, Tensor? value=None, "
-    "Tensor? slot_mapping=None, str? implementation=None) -> Tensor",
-    _attention_kernel,
-    _attention_fake,
-)
+    "Tensor? slot_mapping=None, str? implementation=None")
+ragged_paged_attention_op = define(f"ragged_paged_attention({_ATTENTION_ARGUMENTS}) -> Tensor",
+                                   _attention_kernel, _attention_fake)
+
+
+def _attention_out_fake(out, query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
+                        sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
+                        slot_mapping=None, implementation=None):
+    _attention_fake(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
+                    soft_cap, k_scale, v_scale, key, value, slot_mapping)
+    check_out(out, query)
+
+
+# the same attention written into a given buffer (vLLM's output), its first argument: the op mutates
+# ``out`` and returns nothing, as a custom op may not return an alias of its input
+ragged_paged_attention_out_op = define(f"{OUT_OP}(Tensor(c!) out, {_ATTENTION_ARGUMENTS}) -> ()",
+                                       _attention_out_kernel, _attention_out_fake)
 
 
 def visible_keys(q_lens: Sequence[int], kv_lens: Sequence[int], sliding_window: int | None = None) -> int:
@@ -452,8 +519,10 @@ def _attention_cost_bytes(a, out) -> int:
     return cache + _write_bytes(a.key, a.value, a.key_cache, a.slot_mapping, a.k_scale, a.v_scale)
 
 
-register_cost(ragged_paged_attention_op, bytes=_attention_cost_bytes,
-              flops=lambda a, out: attention_flops(a.query.shape[1], a.query.shape[2], *_lengths(a), a.sliding_window))
+for _op in (ragged_paged_attention_op, ragged_paged_attention_out_op):
+    register_cost(_op, bytes=_attention_cost_bytes,
+                  flops=lambda a, out: attention_flops(a.query.shape[1], a.query.shape[2], *_lengths(a),
+                                                       a.sliding_window))
 register_cost(reshape_and_cache_op, flops=lambda a, out: 0,  # a copy
               bytes=lambda a, out: _write_bytes(a.key, a.value, a.key_cache, a.slot_mapping, a.k_scale, a.v_scale))
 
@@ -516,6 +585,8 @@ def ragged_paged_attention(
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     implementation: str | Sequence[str] | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of sequences whose keys and values live in pages.
 
@@ -543,9 +614,15 @@ def ragged_paged_attention(
             the new tokens are first written as :func:`reshape_and_cache` does, in the same kernel
             where the backend allows it; the result equals that write followed by attention.
         implementation: a backend name or ordered list (see ``torch_kernels.backends``).
+        out: if given, ``[T, Hq, D]`` of query's dtype and device, sharing no memory with the inputs:
+            the output is written into it (by the Triton and reference kernels directly where it is
+            contiguous, else copied) and it is returned. The op is
+            ``torch.ops.torch_kernels.ragged_paged_attention_out(out, query, ...)``: it mutates ``out``
+            and returns nothing, as a serving engine's preallocated output needs.
 
     Returns:
-        ``[T, Hq, D]`` in query's dtype. Softmax and accumulation are float32 on every backend.
+        ``[T, Hq, D]`` in query's dtype (``out`` where given). Softmax and accumulation are float32 on
+        every backend.
 
     NaN and inf: cache entries a query does not attend to are never read (its output equals the
     output with them zero); a NaN or inf in its query row of head ``h`` or in an attended key or
@@ -562,11 +639,14 @@ def ragged_paged_attention(
                    kv_lens=kv_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
                    key=key, value=value, slot_mapping=slot_mapping)
     check_scalars(sm_scale, sliding_window, soft_cap)  # before the dispatcher parses them less clearly
-    return ragged_paged_attention_op(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, float(sm_scale),
-                                     None if sliding_window is None else int(sliding_window),
-                                     None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value,
-                                     slot_mapping,
-                                     backends.implementation_arg(implementation))
+    args = (query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, float(sm_scale),
+            None if sliding_window is None else int(sliding_window), None if soft_cap is None else float(soft_cap),
+            k_scale, v_scale, key, value, slot_mapping, backends.implementation_arg(implementation))
+    if out is None:
+        return ragged_paged_attention_op(*args)
+    check_tensors(out=out)
+    ragged_paged_attention_out_op(out, *args)
+    return out
 
 
 # ---- self-test cases ----

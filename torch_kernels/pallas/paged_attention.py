@@ -49,23 +49,24 @@ def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k
 
 
 def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                                  sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
+                                  sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None):
     check_cpu(query, key_cache)
     check_cache_dtype(key_cache)
     from jax_impl import paged_attention
 
+    into = out  # JAX arrays are new ones: the result is copied into a given out
     new = None if key is None else (to_jax(key), to_jax(value), to_jax(_slots(slot_mapping)))
-    out, new_k, new_v = paged_attention.ragged_paged_attention(
+    attended, new_k, new_v = paged_attention.ragged_paged_attention(
         *map(to_jax, (query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), sm_scale,
         sliding_window, soft_cap, to_jax(k_scale), to_jax(v_scale), *(new or (None, None, None)))
     if new is not None:
         _store_slots(key_cache, new_k, slot_mapping)
         _store_slots(value_cache, new_v, slot_mapping)
-    return to_torch(out)
+    return to_torch(attended) if into is None else into.copy_(to_torch(attended))
 
 
 def torchax_implementations() -> dict:
-    """reshape_and_cache and ragged_paged_attention on torchax tensors, by op name.
+    """reshape_and_cache, ragged_paged_attention and its ``_out`` form on torchax tensors, by op name.
 
     Both write the caches: JAX arrays are immutable, so the kernels return updated caches and the
     caches' torchax tensors are pointed at them (a torchax tensor keeps its array in ``_elem``).
@@ -108,4 +109,8 @@ def torchax_implementations() -> dict:
             key_cache._elem, value_cache._elem = new_k, new_v
         return torch_view(out)
 
-    return {op.WRITE_OP: reshape_and_cache, op.OP: ragged_paged_attention}
+    def ragged_paged_attention_out(out, query, *args, **kwargs):
+        op.check_out(out, query)
+        out.copy_(ragged_paged_attention(query, *args, **kwargs))
+
+    return {op.WRITE_OP: reshape_and_cache, op.OP: ragged_paged_attention, op.OUT_OP: ragged_paged_attention_out}

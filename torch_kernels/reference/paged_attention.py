@@ -161,7 +161,7 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
 
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping):
+                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None):
     """The reference backend's kernel and the CPU default.
 
     Each sequence's query rows are cut into units of at most ``_MAX_Q_TILE`` rows; a unit reads
@@ -173,7 +173,8 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     layers share it).
     """
     _write_new_tokens(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if out is None:  # else a contiguous tensor of query's shape and dtype, written in place
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:
         return out
     scales = _multipliers(float(sm_scale), k_scale, v_scale)
