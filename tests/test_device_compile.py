@@ -7,6 +7,7 @@ loads."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -131,16 +132,8 @@ def build_pool():
     """Worker processes for the builds (each is a few seconds of single-threaded compiling), started
     by the first test with something to build."""
     require_backend("triton")
-    pools = []
-
-    def pool():
-        if not pools:
-            pools.append(compile_report.process_pool().__enter__())
-        return pools[0]
-
-    yield pool
-    for started in pools:
-        started.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack:
+        yield functools.cache(lambda: stack.enter_context(compile_report.process_pool()))
 
 
 @pytest.fixture(scope="module")
