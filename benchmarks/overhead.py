@@ -7,9 +7,11 @@ each backend kernel is replaced by a no-op that hands back the output the real k
 so a call's time is all host work (the dispatcher, the op's checks, argument preparation, its
 Python) and none of the kernel's. That is compared with a bare call of the same no-op launcher.
 Rows per mode: ``deferred`` (the accelerator default: no host read; its value checks run as small
-torch ops, here on the CPU, where on a GPU they would be kernel launches) and ``full`` (the CPU
-default; on the CPU its index checks are skipped for a batch equal to the last that passed, as in
-a model's layers). Also ``ragged_paged_attention`` with its cache write (key, value, slot_mapping),
+torch ops, here on the CPU, where on a GPU they would be kernel launches, or as one launch of the
+backend's own check kernel where it has one) and ``full`` (the CPU default; on the CPU its index
+checks are skipped for a batch equal to the last that passed, as in a model's layers). Per call
+also the device launches it would make: its backend launchers and its computing torch ops, counted
+by the profiler. Also ``ragged_paged_attention`` with its cache write (key, value, slot_mapping),
 and a serving step of the ``Engine`` (a tiny random Llama, decode-only steps, the reference
 backend). Goals (one thread): at most 10 us added in deferred mode for a single-kernel op, 20 us
 for ``ragged_paged_attention`` with its write. Times are thread CPU time, the fastest of several
@@ -57,15 +59,16 @@ class NoOpKernels:
     hands back that output without running: the launch replaced by a no-op."""
 
     def __init__(self, backend: str):
-        self.backend, self.outputs, self._saved = backend, {}, {}
+        self.backend, self.outputs, self._saved, self.calls = backend, {}, {}, 0
 
     def launcher(self, op: str):
         real = backends._kernel(op, self.backend)
 
-        def no_op(*args):
+        def no_op(*args, **kwargs):
+            self.calls += 1
             out = self.outputs.get(op)
             if out is None:
-                out = self.outputs[op] = (real(*args),)
+                out = self.outputs[op] = (real(*args, **kwargs),)
             return out[0]
 
         return no_op
@@ -105,6 +108,35 @@ def op_calls() -> list[tuple[str, callable]]:
     return calls
 
 
+# aten ops that launch nothing on a device: views, metadata, allocations, host scalars
+_NO_LAUNCH = {"aten::" + name for name in (
+    "as_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "reshape", "_reshape_alias",
+    "expand", "alias", "detach", "lift_fresh", "empty", "empty_strided", "empty_like", "resize_", "t", "transpose",
+    "permute", "contiguous", "to", "_to_copy", "item", "_local_scalar_dense", "is_nonzero", "result_type",
+    "scalar_tensor", "resolve_conj", "resolve_neg", "clone")}
+
+
+def device_launches(call, no_ops: NoOpKernels) -> int:
+    """How many kernels one ``call`` would launch on a device: its backend launchers (each counted
+    once, though a launcher may launch a second kernel such as a merge) and its computing torch
+    ops (from the profiler: the outermost aten op that is not a view, an allocation or a host
+    scalar; a copy inside ``to`` or ``clone`` counts, a reduction's inner steps do not)."""
+    calls = no_ops.calls
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    counted, total = set(), 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):  # parents before children
+        if not event.name.startswith("aten::") or event.name in _NO_LAUNCH:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and parent.id not in counted:
+            parent = parent.cpu_parent
+        if parent is None:
+            counted.add(event.id)
+            total += 1
+    return total + no_ops.calls - calls
+
+
 def measure_ops(budget_s: float) -> list[dict]:
     rows = []
     with NoOpKernels("triton") as no_ops:
@@ -113,6 +145,7 @@ def measure_ops(budget_s: float) -> list[dict]:
             for mode in ("deferred", "full"):
                 with torch_kernels.checks(mode):
                     row[f"{mode}_us"] = thread_seconds_per_call(call, budget_s) * 1e6
+                    row[f"{mode}_launches"] = device_launches(call, no_ops)
             torch_kernels.raise_deferred_errors()
             # the bare launch: each no-op the call ran, called directly
             bare = [(op, out[0]) for op, out in no_ops.outputs.items()]
@@ -182,9 +215,11 @@ def main() -> None:
     rows = measure_ops(budget)
     engine = measure_engine(budget)
     table = markdown_table(
-        ["op", "bare launch us", "deferred: added us", "goal us", "met", "full: added us"],
+        ["op", "bare launch us", "deferred: added us", "goal us", "met", "deferred: launches", "full: added us",
+         "full: launches"],
         [[r["op"], f"{r['bare_us']:.2f}", f"{r['deferred_us'] - r['bare_us']:.1f}", f"{r['goal_us']:.0f}",
-          "yes" if r["deferred_us"] - r["bare_us"] <= r["goal_us"] else "no", f"{r['full_us'] - r['bare_us']:.1f}"]
+          "yes" if r["deferred_us"] - r["bare_us"] <= r["goal_us"] else "no", r["deferred_launches"],
+          f"{r['full_us'] - r['bare_us']:.1f}", r["full_launches"]]
          for r in rows])
     steps = markdown_table(["Engine decode step (8 sequences)", "ms"], [[k, f"{v:.2f}"] for k, v in engine.items()])
     text = (f"# Host cost per op call\n\n{machine_line()}\n\nTriton backend's launchers replaced by no-ops "

@@ -210,3 +210,220 @@ def test_deferred_mla_makes_a_bad_index_and_page_safe(backend):
     assert torch.isnan(out[nan]).all() and torch.isnan(lse[nan]).all()
     torch.testing.assert_close(out[~nan], want[0][~nan], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[~nan], want[1][~nan], rtol=1e-5, atol=1e-5)
+
+
+def _failed_messages() -> set[str]:
+    """The messages the error word holds now (cleared)."""
+    word = _checks.error_word(torch.device("cpu"))
+    failed = {_checks._messages[code] for code in word.nonzero().flatten().tolist()}
+    word.zero_()
+    return failed
+
+
+def _corrupted_batches():
+    """(label, query, key_cache, cu_q_lens, kv_lens, block_table): good batches of 3 and 150
+    sequences (three of the device checks' programs), and each check's failure on them."""
+    g = torch.Generator().manual_seed(5)
+    for num_seqs in (3, 150):
+        q_lens = torch.randint(0, 4, (num_seqs,), generator=g)
+        kv_lens = q_lens + torch.randint(0, 40, (num_seqs,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
+        num_blocks, block_size, max_blocks = 64, 4, 12
+        table = torch.randint(0, num_blocks, (num_seqs, max_blocks), generator=g, dtype=torch.int32)
+        query, cache = torch.empty(int(cu[-1]), 1, 1), torch.empty(num_blocks, block_size, 1, 1)
+        edits = {
+            "good": lambda cu, kv, t: None,
+            "starts off": lambda cu, kv, t: cu.__setitem__(0, 1),
+            "decreases": lambda cu, kv, t: cu.__setitem__(1, cu[2] + 1),
+            "ends off": lambda cu, kv, t: cu.__setitem__(-1, cu[-1] + 1),
+            "negative kv": lambda cu, kv, t: kv.__setitem__(-1, -5),
+            "short kv": lambda cu, kv, t: (cu.__setitem__(slice(2, None), cu[2:] + 9), kv.__setitem__(1, 0)),
+            "kv past the table": lambda cu, kv, t: kv.__setitem__(0, max_blocks * block_size + 1),
+            "bad page": lambda cu, kv, t: t.__setitem__((num_seqs - 1, 0), num_blocks),
+            "negative page past the used ones": lambda cu, kv, t: t.__setitem__((0, max_blocks - 1), -7),
+        }
+        for label, edit in edits.items():
+            c, k, t = cu.clone(), kv_lens.to(torch.int32), table.clone()
+            edit(c, k, t)
+            q = query if label != "short kv" else torch.empty(int(c[-1]), 1, 1)
+            yield f"{num_seqs} sequences, {label}", q, cache, c, k, t
+
+
+@pytest.mark.parametrize("batch", list(_corrupted_batches()), ids=lambda b: b[0])
+def test_device_lengths_check_agrees_with_the_torch_checks(batch):
+    """The Triton backend's one-launch deferred check of a paged batch (``check_lengths_kernel``)
+    against the same checks as torch ops: the same failed messages in the error word, the same
+    ``bad_rows``; with offsets that hold, the same safe lengths and block table too (with bad
+    offsets every row is NaN either way, and the launch leaves every sequence empty)."""
+    require_backend("triton")
+    from torch_kernels.ops import paged_attention as paged
+
+    _, query, cache, cu, kv, table = batch
+    want = paged.check_lengths(query, cache, cu, kv, table, torch_checks := _checks.ValueChecks(cache.device, "deferred"))
+    torch_checks.finish()
+    want_failed = _failed_messages()
+    got = paged.check_lengths(query, cache, cu, kv, table, _checks.ValueChecks(cache.device, "deferred", "triton"))
+    assert _failed_messages() == want_failed
+    assert torch.equal(got[3], want[3]), "bad_rows"
+    offsets_hold = not any(m.startswith("cu_q_lens") for m in want_failed)
+    if offsets_hold:
+        for name, g, w in zip(("cu_q_lens", "kv_lens", "block_table"), got[:3], want[:3]):
+            assert torch.equal(g, w.to(g.dtype)), name
+    else:
+        assert not got[0].any() and not got[1].any()
+    passes = batch[0].endswith(("good", "past the used ones"))  # a page no sequence reads may be anything
+    assert passes == (not want_failed)
+
+
+@pytest.mark.parametrize("slots, failed", [([3, -1, 7, 0], ()), ([3, 9, -1, 3, 3], (1,)), ([2, 64, -2, 5], (0,)),
+                                           ([1, 100, 1], (0, 1)), (list(range(40))[::-1] * 1, ())])
+def test_device_slots_check_agrees_with_the_torch_checks(slots, failed):
+    """The one-launch deferred check of ``slot_mapping`` (out of range: made -1; a repeat: recorded):
+    the same failed messages and safe slots as the torch ops', run twice so that the per-slot
+    owner entries left by the first call cannot hide or invent a repeat in the second."""
+    require_backend("triton")
+    from torch_kernels.ops import paged_attention as paged
+
+    cache = torch.empty(16, 4, 1, 1)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    want = paged.check_slots(slot_mapping, cache, torch_checks := _checks.ValueChecks(cache.device, "deferred"))
+    torch_checks.finish()
+    want_failed = _failed_messages()
+    assert want_failed == {paged._slots_messages(64)[i] for i in failed}
+    for _ in range(2):
+        got = paged.check_slots(slot_mapping, cache, _checks.ValueChecks(cache.device, "deferred", "triton"))
+        assert _failed_messages() == want_failed
+        assert torch.equal(got, want)
+
+
+_LONG = torch.arange(0, 3000, 2)  # 1,500 offsets: two of the device check's tiles
+
+
+@pytest.mark.parametrize("offsets, total", [
+    ([0, 3, 3, 9], 9), ([1, 3, 3, 9], 9), ([0, 5, 3, 9], 9), ([0, 3, 12], 9), ([0], 0), ([4], 9), ([-3, 2, 7], 7),
+    (_LONG.tolist(), 2998), (torch.cat([_LONG[:1100], _LONG[1100:] - 1000]).tolist(), 1998)],
+    ids=["good", "starts off", "decreases", "past the end", "no sequence", "no sequence, rows left", "negative",
+         "two tiles", "two tiles, decreasing in the second"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_device_offsets_check_agrees_with_the_torch_checks(offsets, total, dtype):
+    """``_checks.packed_offsets`` as one Triton launch (``check_offsets_kernel``) against the torch
+    ops: the same failed messages, the same safe offsets and flag."""
+    require_backend("triton")
+    given = torch.tensor(offsets, dtype=dtype)
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        safe, bad = _checks.packed_offsets("cu_seqlens", given, total, f"T={total}", checks)
+        checks.finish()
+        results.append((safe, bool(bad), _failed_messages()))
+    (want, want_bad, want_failed), (got, got_bad, got_failed) = results
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert (got_bad, got_failed) == (want_bad, want_failed)
+    assert want_bad == bool(want_failed)
+
+
+@pytest.mark.parametrize("rows", [[2, -1, 0, 5], [2, 7, -3, 2], [0, 2**40, -(2**40), 1], [2**31 + 5, 3],
+                                  list(range(1500)), [5] + list(range(1500))],
+                         ids=["good", "past and repeated", "outside int32", "above int32", "two tiles",
+                              "two tiles, a repeat"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_device_rows_check_agrees_with_the_torch_checks(rows, dtype):
+    """``_checks.state_rows`` then ``int32_values`` (what the state-update ops run) as one Triton
+    launch (``check_indices_kernel``) against the torch ops: the same failed messages, the same
+    rows for the kernels (int32) and the same entries marked for NaN output."""
+    require_backend("triton")
+    if dtype == torch.int32 and any(not _checks.INT32_MIN <= r <= _checks.INT32_MAX for r in rows):
+        pytest.skip("int32 cannot hold these rows")
+    given = torch.tensor(rows, dtype=dtype)
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        safe, bad = _checks.state_rows("state_batch_indices", given, "state", 1500, checks)
+        safe = _checks.int32_values("state_batch_indices", safe, checks)
+        checks.finish()
+        results.append((safe, bad, _failed_messages()))
+    (want, want_bad, want_failed), (got, got_bad, got_failed) = results
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert torch.equal(got_bad, want_bad) and got_failed == want_failed
+
+
+@pytest.mark.parametrize("ids", [[[0, 3], [1, -1]], [[0, 4], [-2, 1]], [[2, 2], [9, 0]]],
+                         ids=["good", "past and below -1", "repeated in a token, past"])
+def test_device_expert_ids_check_agrees_with_the_torch_checks(ids):
+    """``check_ids_range`` (MoE routing) as one launch of the shared index check, repeats allowed:
+    the same failed messages and routed ids as the torch ops'."""
+    require_backend("triton")
+    from torch_kernels.ops.moe.dispatch import check_ids_range
+
+    given = torch.tensor(ids, dtype=torch.int32)
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        routed = check_ids_range(given, 4, checks)
+        checks.finish()
+        results.append((routed, _failed_messages()))
+    (want, want_failed), (got, got_failed) = results
+    assert torch.equal(got, want) and got_failed == want_failed
+
+
+@pytest.mark.parametrize("scale", [[0.5], [0.5, 2.0, 1.0], [0.5, 0.0, -1.0], [float("nan"), float("inf"), 3.0], []],
+                         ids=["one", "per head", "zero and negative", "nan and inf", "empty"])
+def test_device_scales_check_agrees_with_the_torch_checks(scale):
+    """``scale_checks`` (cache scales) as one launch of the shared scale check: the same failed
+    messages and the same scales, a bad one NaN."""
+    require_backend("triton")
+    from torch_kernels.ops import paged_attention as paged
+
+    given = torch.tensor(scale, dtype=torch.float32)
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        safe = paged.scale_checks(checks, k_scale=given, v_scale=None)
+        checks.finish()
+        results.append((safe, _failed_messages()))
+    (want, want_failed), (got, got_failed) = results
+    assert got["v_scale"] is None and got_failed == want_failed
+    torch.testing.assert_close(got["k_scale"], want["k_scale"], equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offsets", [[2, 2, 7], [-1, 3, 7], [3, 1, 7], [0, 4, 9], [5], (_LONG[:1100] // 2).tolist()],
+                         ids=["good", "negative first", "decreasing", "past the rows", "one group", "two tiles"])
+def test_device_group_ends_check_agrees_with_the_torch_checks(offsets):
+    """``grouped_mm``'s cumulative group ends as one launch of the shared offsets check (its
+    ``ends`` form): the same failed messages, safe ends and flag as the torch ops'."""
+    require_backend("triton")
+    from torch_kernels.ops.moe.grouped_gemm import check_offsets
+
+    given = torch.tensor(offsets, dtype=torch.int32)
+    rows = 7 if len(offsets) < 100 else 600
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        safe, bad = check_offsets(given, rows, checks)
+        checks.finish()
+        results.append((safe, bool(bad), _failed_messages()))
+    (want, want_bad, want_failed), (got, got_bad, got_failed) = results
+    assert torch.equal(got, want) and (got_bad, got_failed) == (want_bad, want_failed)
+    assert want_bad == bool(want_failed)
+
+
+@pytest.mark.parametrize("positive_at, value", [(None, None), (0, 0.5), (20_000, 0.5), (7, math.inf)],
+                         ids=["none", "first", "in a later program", "+inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_device_log_decay_check_agrees_with_the_torch_checks(positive_at, value, dtype):
+    """Linear attention's ``g <= 0`` as one launch over 3 programs: recorded exactly when a value
+    is positive (NaN, -0.0 and -inf are not), as the torch ops record it."""
+    require_backend("triton")
+    from torch_kernels.ops import linear_attention
+
+    g = -torch.rand(2, 10_000, 3, generator=torch.Generator().manual_seed(6)).to(dtype)
+    g.view(-1)[1:4] = torch.tensor([math.nan, -0.0, -math.inf], dtype=dtype)
+    if positive_at is not None:
+        g.view(-1)[positive_at] = value
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(g.device, "deferred", backend)
+        linear_attention.check_values(None, g.shape[1], g, checks)
+        checks.finish()
+        results.append(_failed_messages())
+    assert results[0] == results[1] and bool(results[0]) == (positive_at is not None)

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from . import backends
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -69,6 +71,10 @@ def written_in_place(name: str, value: torch.Tensor) -> None:
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
+def int32_message(name: str) -> str:
+    return f"{name}: expected values in int32's range [{INT32_MIN}, {INT32_MAX}]"
+
+
 def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | None" = None) -> torch.Tensor | None:
     """``value`` (ids, lengths, rows) as a contiguous int32 tensor for a kernel. An int64 value
     outside int32's range is a ``ValueError`` naming ``name``: the cast would wrap it into another,
@@ -78,7 +84,7 @@ def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | N
     if value is None:
         return None
     if value.dtype == torch.int64 and value.numel():
-        message = f"{name}: expected values in int32's range [{INT32_MIN}, {INT32_MAX}]"
+        message = int32_message(name)
         if checks is not None:
             checks.add((value < INT32_MIN) | (value > INT32_MAX), message,
                        lambda given=value: f"got {int(given.min())} .. {int(given.max())}")
@@ -91,6 +97,28 @@ def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | N
 
 
 # ---- value checks: "full" (raise now) or "deferred" (recorded on the device) ----
+
+# The shared deferred checks a backend may run as one device launch of its own (``backends.helper``,
+# chosen by ``ValueChecks.backend``); the rest run as torch ops. Messages are made once per shape.
+OFFSETS_CHECK, INDICES_CHECK, SCALES_CHECK = "checks.packed_offsets", "checks.indices", "checks.scales"
+NOT_POSITIVE_CHECK = "checks.not_positive"
+backends.register(OFFSETS_CHECK, "triton", "triton_impl.checks:check_offsets")
+backends.register(INDICES_CHECK, "triton", "triton_impl.checks:check_indices")
+backends.register(SCALES_CHECK, "triton", "triton_impl.checks:check_scales")
+backends.register(NOT_POSITIVE_CHECK, "triton", "triton_impl.checks:check_not_positive")
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets_messages(name: str, total_what: str) -> tuple[str, ...]:
+    return (f"{name}: expected to start at 0", f"{name}: expected non-decreasing offsets",
+            f"{name}: expected to end at {total_what}")
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_messages(name: str, state_name: str, num_rows: int) -> tuple[str, ...]:
+    return (f"{name}: expected rows below {state_name}'s {num_rows}", f"{name}: expected each row at most once",
+            int32_message(name))
+
 
 def safe_offsets(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """Packed-sequence ``offsets`` made safe for a kernel in deferred mode (on the device, no read):
@@ -107,11 +135,14 @@ def packed_offsets(name: str, offsets: torch.Tensor, total: int, total_what: str
     ``total`` (``total_what`` says what it is). Returns ``(offsets, bad)`` for the kernels: as given
     and None in full mode; in deferred mode :func:`safe_offsets` and a 0-dim flag set when a check
     failed (the outputs are then all NaN: the sequences' rows cannot be told apart)."""
+    messages = _offsets_messages(name, total_what)
+    if checks.deferred and (device_check := backends.helper(OFFSETS_CHECK, checks.backend)) is not None:
+        return device_check(offsets, total, message_codes(offsets.device, messages), error_word(offsets.device))
     starts_off, ends_off = offsets[0] != 0, offsets[-1] != total
     decreasing = offsets[1:] < offsets[:-1]
-    checks.add(starts_off, f"{name}: expected to start at 0", lambda: f"got {int(offsets[0])}")
-    checks.add(decreasing, f"{name}: expected non-decreasing offsets", lambda: f"got {offsets.tolist()}")
-    checks.add(ends_off, f"{name}: expected to end at {total_what}", lambda: f"got {int(offsets[-1])}")
+    checks.add(starts_off, messages[0], lambda: f"got {int(offsets[0])}")
+    checks.add(decreasing, messages[1], lambda: f"got {offsets.tolist()}")
+    checks.add(ends_off, messages[2], lambda: f"got {int(offsets[-1])}")
     if not checks.deferred:
         return offsets, None
     return safe_offsets(offsets, total), starts_off | ends_off | decreasing.any()
@@ -123,12 +154,19 @@ def state_rows(name: str, rows: torch.Tensor, state_name: str, num_rows: int,
     (negative: padding) and at most once. Returns ``(rows, bad)``: as given and None in full mode;
     in deferred mode a row past the state becomes padding and ``bad`` marks the entries whose output
     must be NaN (also an int64 row below int32's range, which the kernels' int32 cast makes
-    padding). A repeated row stays in bounds and is only recorded."""
+    padding). A repeated row stays in bounds and is only recorded. With the shared index check of
+    the planned backend (``INDICES_CHECK``) the rows come back as int32 already, saturated and the
+    int32 range checked, as :func:`int32_values` would give them."""
+    messages = _rows_messages(name, state_name, num_rows)
+    if checks.deferred and (device_check := backends.helper(INDICES_CHECK, checks.backend)) is not None:
+        # int32 rows straight away: the int32 range check the kernels need is in the launch too
+        return device_check(rows, num_rows, message_codes(rows.device, messages), error_word(rows.device),
+                            only_minus_one_pads=False, with_bad=True, narrow=True)
     past = rows >= num_rows
     ordered = rows.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
-    checks.add(past, f"{name}: expected rows below {state_name}'s {num_rows}", lambda: f"got {rows.tolist()}")
-    checks.add(repeated, f"{name}: expected each row at most once", lambda: f"got {rows.tolist()}")
+    checks.add(past, messages[0], lambda: f"got {rows.tolist()}")
+    checks.add(repeated, messages[1], lambda: f"got {rows.tolist()}")
     if not checks.deferred:
         return rows, None
     bad = past | (rows < INT32_MIN) if rows.dtype == torch.int64 else past
@@ -228,6 +266,13 @@ def error_word(device: torch.device) -> torch.Tensor:
     return word
 
 
+@functools.lru_cache(maxsize=1024)
+def message_codes(device: torch.device, messages: tuple[str, ...]) -> torch.Tensor:
+    """The error word's entries for ``messages`` (int64, on ``device``): where a device check
+    counts each message's failures (kept per device and messages; made without a host read)."""
+    return _codes_on(device, tuple(_code(m) for m in messages))
+
+
 def _codes_on(device: torch.device, codes: tuple[int, ...]) -> torch.Tensor:
     key = (device, codes)
     index = _indices.get(key)
@@ -247,13 +292,16 @@ class ValueChecks:
     expected) and, for the full mode, a function that says what came. :meth:`finish` then raises
     the first failure (full: one host read for all the checks) or records them in the device's
     error word (deferred: no host read). In deferred mode the op makes bad entries safe itself,
-    from the same masks (``self.deferred``). ``mode``: this call's, overriding :func:`mode_for`."""
+    from the same masks (``self.deferred``). ``mode``: this call's, overriding :func:`mode_for`.
+    ``backend``: the backend the call's kernel is planned on (``backends.planned``), whose helpers
+    may run a family's deferred checks in one device launch (None: the checks as torch ops)."""
 
-    __slots__ = ("device", "deferred", "_flags", "_messages", "_details")
+    __slots__ = ("device", "deferred", "backend", "_flags", "_messages", "_details")
 
-    def __init__(self, device: torch.device, mode: str | None = None):
+    def __init__(self, device: torch.device, mode: str | None = None, backend: str | None = None):
         self.device = device
         self.deferred = (mode or mode_for(device)) == "deferred"
+        self.backend = backend
         self._flags: list[torch.Tensor] = []
         self._messages: list[str] = []
         self._details: list = []
@@ -279,10 +327,11 @@ class ValueChecks:
                 raise ValueError(message if detail is None else f"{message}, {detail()}")
 
 
-def checked(device: torch.device, check: Callable, *args):
-    """``check(*args, checks)`` with a :class:`ValueChecks` of the call's mode on ``device``, then
-    finished (in full mode raising the first failure now): what ``check`` returns."""
-    checks = ValueChecks(device)
+def checked(device: torch.device, check: Callable, *args, backend: str | None = None):
+    """``check(*args, checks)`` with a :class:`ValueChecks` of the call's mode on ``device`` (and
+    ``backend``, as there), then finished (in full mode raising the first failure now): what
+    ``check`` returns."""
+    checks = ValueChecks(device, backend=backend)
     result = check(*args, checks)
     checks.finish()
     return result

@@ -133,10 +133,16 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if unavailable_reason(name) is None]
 
 
+_parsed: dict[str, tuple[str, ...]] = {}  # a call's implementation string is parsed on each dispatch
+
+
 def _parse(names: str | Sequence[str] | None, what: str) -> tuple[str, ...] | None:
     if names is None:
         return None
     if isinstance(names, str):
+        parsed = _parsed.get(names)
+        if parsed is not None:
+            return parsed
         parsed = tuple(n.strip() for n in names.split(",") if n.strip())
     elif isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
         parsed = tuple(names)
@@ -147,6 +153,8 @@ def _parse(names: str | Sequence[str] | None, what: str) -> tuple[str, ...] | No
     for n in parsed:
         if n not in BACKENDS:
             raise ValueError(f"{what}: unknown backend {n!r}; expected one of {BACKENDS}")
+    if isinstance(names, str) and len(_parsed) < 256:
+        _parsed[names] = parsed
     return parsed
 
 
@@ -253,6 +261,24 @@ def _plan(op: str, order: tuple[str, ...]) -> tuple:
                 steps.append((backend, _kernel(op, backend), None))
         plan = _plans[(op, order)] = tuple(steps)
     return plan
+
+
+def planned(op: str, device_type: str, implementation: str | None) -> str | None:
+    """The backend :func:`dispatch` tries first for this call of ``op``: the first of its order with
+    a kernel registered that can run here (None: none). A kernel may still refuse the call and pass
+    it on; a helper chosen by this backend (:func:`helper`) must give what any backend can take."""
+    for backend, fn, _ in _plan(op, resolve(device_type, implementation)[0]):
+        if fn is not None:
+            return backend
+    return None
+
+
+def helper(name: str, backend: str | None) -> Callable | None:
+    """``backend``'s function registered (:func:`register`) under ``name``, a helper of an op rather
+    than an op (its deferred value checks in one device launch, say), or None where it has none."""
+    if backend is None or backend not in _impls.get(name, {}):
+        return None
+    return _kernel(name, backend)
 
 
 def last_backend(op: str) -> str | None:

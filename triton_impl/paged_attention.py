@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import arch_of, autotune, for_device
+from .checks import record
 from .common import entry_offset, round_to_cache, sequence_of
 
 # cache dtype -> how the kernels round a float32 value to it
@@ -421,6 +422,109 @@ def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_rows,
     tl.store(out_ptr + row * D + dims, merged.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
+@triton.jit
+def check_lengths_kernel(cu_ptr, kv_ptr, table_ptr, table_stride, codes_ptr, word_ptr,
+                         safe_cu_ptr, safe_kv_ptr, safe_table_ptr, bad_rows_ptr,
+                         num_seqs, num_tokens, num_blocks, block_size, max_blocks, width,
+                         SEQS: tl.constexpr, PAGES: tl.constexpr, TOKENS: tl.constexpr, SCAN: tl.constexpr):
+    """The deferred checks of a paged batch, for the sequences ``[SEQS * program, +SEQS)``: see
+    ``check_lengths``. Each program reads all of ``cu`` itself (a few bytes a sequence), so none
+    waits on another for whether the offsets hold."""
+    pid = tl.program_id(0)
+    first = tl.load(cu_ptr)
+    last = tl.load(cu_ptr + num_seqs)
+    decreases = 0
+    for start in range(0, num_seqs, SCAN):
+        s = start + tl.arange(0, SCAN)
+        a = tl.load(cu_ptr + s, mask=s < num_seqs, other=0)
+        b = tl.load(cu_ptr + s + 1, mask=s < num_seqs, other=0)
+        decreases += tl.sum((b < a).to(tl.int32), axis=0)
+    offsets_bad = (first != 0) | (last != num_tokens) | (decreases != 0)
+
+    seqs = pid * SEQS + tl.arange(0, SEQS)
+    ok = seqs < num_seqs
+    begin = tl.load(cu_ptr + seqs, mask=ok, other=0)
+    end = tl.load(cu_ptr + seqs + 1, mask=ok, other=0)
+    kv = tl.load(kv_ptr + seqs, mask=ok, other=0).to(tl.int64)
+    q_len = (end - begin).to(tl.int64)
+    pages = tl.where(kv > 0, (kv + block_size - 1) // block_size, 0)
+    negative = ok & (kv < 0)
+    short = ok & (q_len > kv)
+    too_long = ok & (pages > max_blocks)
+    bad_pages = tl.zeros([SEQS], tl.int32)
+    for col0 in range(0, max_blocks, PAGES):
+        cols = col0 + tl.arange(0, PAGES)
+        used = ok[:, None] & (cols[None, :] < pages[:, None]) & (cols[None, :] < max_blocks)
+        block = tl.load(table_ptr + seqs.to(tl.int64)[:, None] * table_stride + cols[None, :], mask=used, other=0)
+        bad_pages += tl.sum((used & ((block < 0) | (block >= num_blocks))).to(tl.int32), axis=1)
+    seq_bad = negative | short | too_long | (bad_pages != 0) | offsets_bad
+
+    # the codes' order: check_lengths's messages (the offsets' three recorded once, by program 0)
+    if pid == 0:
+        record(word_ptr, codes_ptr, 0, (first != 0).to(tl.int32))
+        record(word_ptr, codes_ptr, 1, decreases)
+        record(word_ptr, codes_ptr, 2, (last != num_tokens).to(tl.int32))
+    record(word_ptr, codes_ptr, 3, tl.sum(negative.to(tl.int32), axis=0))
+    record(word_ptr, codes_ptr, 4, tl.sum(short.to(tl.int32), axis=0))
+    record(word_ptr, codes_ptr, 5, tl.sum(too_long.to(tl.int32), axis=0))
+    record(word_ptr, codes_ptr, 6, tl.sum(bad_pages, axis=0))
+
+    # safe inputs: bad offsets leave every sequence empty (all rows NaN); a bad sequence attends to
+    # its own new rows over page 0; every page id kept is inside the cache
+    tl.store(safe_cu_ptr + seqs, tl.where(offsets_bad, 0, begin), mask=ok)
+    if pid == 0:
+        tl.store(safe_cu_ptr + num_seqs, tl.where(offsets_bad, 0, last))
+    tl.store(safe_kv_ptr + seqs, tl.where(offsets_bad, 0, tl.where(seq_bad, q_len, kv)).to(tl.int32), mask=ok)
+    for col0 in range(0, width, PAGES):
+        cols = col0 + tl.arange(0, PAGES)
+        inside = ok[:, None] & (cols[None, :] < max_blocks)
+        block = tl.load(table_ptr + seqs.to(tl.int64)[:, None] * table_stride + cols[None, :], mask=inside, other=0)
+        keep = inside & ~seq_bad[:, None] & (block >= 0) & (block < num_blocks)
+        tl.store(safe_table_ptr + seqs.to(tl.int64)[:, None] * width + cols[None, :], tl.where(keep, block, 0),
+                 mask=ok[:, None] & (cols[None, :] < width))
+
+    # bad_rows: every row when the offsets are bad (program 0), else each sequence's rows its flag
+    if offsets_bad:
+        if pid == 0:
+            for row0 in range(0, num_tokens, TOKENS):
+                rows = row0 + tl.arange(0, TOKENS)
+                tl.store(bad_rows_ptr + rows, tl.full([TOKENS], 1, tl.int1), mask=rows < num_tokens)
+    else:
+        lo = tl.min(tl.where(ok, begin, num_tokens), axis=0)
+        hi = tl.max(tl.where(ok, end, 0), axis=0)
+        for row0 in range(lo, hi, TOKENS):
+            rows = row0 + tl.arange(0, TOKENS)
+            mine = ok[None, :] & (rows[:, None] >= begin[None, :]) & (rows[:, None] < end[None, :])
+            bad = tl.max((mine & seq_bad[None, :]).to(tl.int32), axis=1) != 0
+            tl.store(bad_rows_ptr + rows, bad, mask=rows < hi)
+
+
+# sequences a program, and its tiles of pages, rows and offsets: 32-wide tiles keep it in registers
+# on sm_80 and sm_90 (64-wide ones spilled 300 bytes)
+_LENGTHS_TILES = dict(SEQS=32, PAGES=32, TOKENS=32, SCAN=256)
+
+
+def check_lengths(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: int, block_size: int,
+                  codes: torch.Tensor, word: torch.Tensor):
+    """A paged batch's deferred value checks in one launch, recorded in ``word`` (int32 counts) at
+    ``codes`` (int32 ``[7]``, in the order of ``torch_kernels.ops.paged_attention.check_lengths``'s
+    messages), no host read. Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` made safe as
+    that function's deferred mode says, except that bad offsets leave every sequence empty (their
+    rows are all in ``bad_rows`` either way)."""
+    num_seqs, max_blocks = block_table.shape
+    width = max(max_blocks, -(-num_tokens // block_size))  # pages enough for a bad sequence's own rows
+    device = cu_q_lens.device
+    safe = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, device=device)
+    bad_rows = torch.empty(num_tokens, dtype=torch.bool, device=device)
+    safe_cu, safe_kv = safe[:num_seqs + 1], safe[num_seqs + 1:2 * num_seqs + 1]
+    safe_table = safe[2 * num_seqs + 1:].view(num_seqs, width)
+    kernel = for_device(check_lengths_kernel, device)
+    kernel[(max(1, triton.cdiv(num_seqs, _LENGTHS_TILES["SEQS"])),)](
+        cu_q_lens, kv_lens, block_table, block_table.stride(0), codes, word, safe_cu, safe_kv, safe_table, bad_rows,
+        num_seqs, num_tokens, num_blocks, block_size, max_blocks, width, **_LENGTHS_TILES)
+    return safe_cu, safe_kv, safe_table, bad_rows
+
+
 def _dot_in_float32(dtype: torch.dtype, interpreted: bool) -> bool:
     """float32 queries multiply in float32 (tf32x3); the interpreter mishandles bfloat16, so there
     every dtype does."""
@@ -641,6 +745,17 @@ def compile_groups(everything: bool) -> dict:
                 num_stages=None))
         return found
 
+    def check_builds(arch: int = 90) -> list[dict]:
+        index = "*i32"
+        lengths = {name: index for name in ("cu_ptr", "kv_ptr", "table_ptr", "word_ptr", "safe_cu_ptr",
+                                            "safe_kv_ptr", "safe_table_ptr")}
+        lengths.update(codes_ptr="*i64", bad_rows_ptr="*i1", **{name: "i32" for name in (
+            "table_stride", "num_seqs", "num_tokens", "num_blocks", "block_size", "max_blocks", "width")})
+        return [dict(label="check_lengths (deferred checks of a paged batch)", kernel=check_lengths_kernel,
+                     signature={**lengths, **{name: "constexpr" for name in _LENGTHS_TILES}},
+                     constexprs=dict(_LENGTHS_TILES), num_warps=4, num_stages=None)]
+
     few = [_COMPILE_CASES[0], _COMPILE_CASES[1], _COMPILE_CASES[5]]
-    return {f"paged_attention-D{size}": functools.partial(
-        builds, size, _COMPILE_CASES if everything or size == 256 else few) for size in (64, 128, 256)}
+    return {**{f"paged_attention-D{size}": functools.partial(
+        builds, size, _COMPILE_CASES if everything or size == 256 else few) for size in (64, 128, 256)},
+        "paged_attention-checks": check_builds}

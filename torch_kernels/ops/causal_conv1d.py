@@ -249,7 +249,7 @@ register_cost(causal_conv1d_fn_op, flops=_conv_flops, bytes=io_bytes)
 def _update_kernel(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None,
                    implementation=None):
     check_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
-    checks = _checks.ValueChecks(x.device)
+    checks = _checks.ValueChecks(x.device, backend=backends.planned(UPDATE_OP, _device_type(x), implementation))
     cache_seqlens, conv_state_indices, bad_entries = check_update_values(conv_state, cache_seqlens,
                                                                          conv_state_indices, checks)
     cache_seqlens = _checks.int32_values("cache_seqlens", cache_seqlens, checks)

@@ -171,9 +171,13 @@ def check_values(cu_seqlens, length: int, g, checks: _checks.ValueChecks | None 
     own = checks is None
     checks = checks or _checks.ValueChecks((cu_seqlens if g is None else g).device, "full")
     if g is not None:
-        positive = g > 0
-        checks.add(positive, "g: expected log decays <= 0 (exp(g) scales the state down)",
-                   lambda: f"got {g[positive][0].item()} at index {tuple(positive.nonzero()[0].tolist())}")
+        message = "g: expected log decays <= 0 (exp(g) scales the state down)"
+        if checks.deferred and (device_check := backends.helper(_checks.NOT_POSITIVE_CHECK, checks.backend)):
+            device_check(g, _checks.message_codes(g.device, (message,)), _checks.error_word(g.device))
+        else:
+            positive = g > 0
+            checks.add(positive, message,
+                       lambda: f"got {g[positive][0].item()} at index {tuple(positive.nonzero()[0].tolist())}")
     offsets_bad = None
     if cu_seqlens is not None:
         cu_seqlens, offsets_bad = _checks.packed_offsets("cu_seqlens", cu_seqlens, length,
@@ -236,7 +240,8 @@ class _Family:
     def _forward_kernel(self, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        cu, offsets_bad = _checks.checked(q.device, check_values, cu, q.shape[1], g)
+        cu, offsets_bad = _checks.checked(q.device, check_values, cu, q.shape[1], g,
+                                          backend=backends.planned(self.name, _device_type(q), implementation))
         q, k, v, g, beta, h0 = _strip_grad(q, k, v, g, beta, h0)
         o, ht = self._run(self.name, implementation, *map(_contiguous, (q, k, v, g, beta)), float(scale),
                           _contiguous(h0), _contiguous(cu), l2norm)
@@ -262,7 +267,9 @@ class _Family:
     def _backward_kernel(self, do, dht, *args):
         q, k, v, g, beta, scale, h0, cu, l2norm, implementation = self._unpack(args)
         self._check(q, k, v, g, beta, scale, h0, cu)
-        safe_cu, offsets_bad = _checks.checked(q.device, check_values, cu, q.shape[1], None)  # the forward checked g
+        safe_cu, offsets_bad = _checks.checked(  # the forward checked g
+            q.device, check_values, cu, q.shape[1], None,
+            backend=backends.planned(f"{self.name}_backward", _device_type(q), implementation))
         grads = self._run(f"{self.name}_backward", implementation, do.contiguous(), _contiguous(dht),
                           *map(_contiguous, (q, k, v, g, beta)), float(scale), _contiguous(h0), _contiguous(safe_cu),
                           l2norm)

@@ -214,7 +214,7 @@ def _contiguous(t):
 def _update_kernel(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None,
                    implementation=None):
     check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-    checks = _checks.ValueChecks(x.device)
+    checks = _checks.ValueChecks(x.device, backend=backends.planned(UPDATE_OP, _device_type(x), implementation))
     rows, bad_entries = check_update_values(state, state_batch_indices, checks)
     rows = _checks.int32_values("state_batch_indices", rows, checks)
     checks.finish()

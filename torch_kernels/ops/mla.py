@@ -155,7 +155,7 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(kv_c, k_pe, kv_cache, slot_mapping, scale=None, implementation=None):
     check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale)
-    checks = _checks.ValueChecks(kv_c.device)
+    checks = _checks.ValueChecks(kv_c.device, backend=backends.planned(WRITE_OP, _device_type(kv_c), implementation))
     slot_mapping = paged.check_slots(slot_mapping, kv_cache, checks)
     scale = paged.scale_checks(checks, scale=scale)["scale"]
     checks.finish()
@@ -178,7 +178,7 @@ mla_reshape_and_cache_op = define(
 def _attention_kernel(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
                       kv_scale=None, implementation=None):
     check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices, kv_scale)
-    checks = _checks.ValueChecks(q_nope.device)
+    checks = _checks.ValueChecks(q_nope.device, backend=backends.planned(OP, _device_type(q_nope), implementation))
     given = cu_q_lens, kv_lens  # the indices are checked against these: made safe, they could hide a bad index
     cu_q_lens, kv_lens, block_table, bad_rows = paged.check_lengths(q_nope, kv_cache, cu_q_lens, kv_lens,
                                                                     block_table, checks)
@@ -244,7 +244,7 @@ def check_top_k(top_k) -> None:
 
 def _indexer_kernel(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k, implementation=None):
     check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k)
-    checks = _checks.ValueChecks(q.device)
+    checks = _checks.ValueChecks(q.device, backend=backends.planned(INDEXER_OP, _device_type(q), implementation))
     cu_q_lens, kv_lens, block_table, bad_rows = paged.check_lengths(q, k_cache, cu_q_lens, kv_lens, block_table,
                                                                     checks)
     checks.finish()

@@ -13,6 +13,7 @@ reads and writes them in place and writes nothing but the written slots' entries
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Callable, Sequence
@@ -39,6 +40,9 @@ backends.register(OP, "reference", reference.ragged_paged_attention)
 backends.register(OP, "triton", "triton_impl.paged_attention:ragged_paged_attention")
 backends.register(OP, "pallas", "torch_kernels.pallas.paged_attention:pallas_ragged_paged_attention")
 backends.register(OP, "sycl", "oneapi_impl.paged_attention:ragged_paged_attention")
+# the deferred value checks of a batch's lengths and block table in one launch
+LENGTHS_CHECK = "paged_attention.check_lengths"
+backends.register(LENGTHS_CHECK, "triton", "triton_impl.paged_attention:check_lengths")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
@@ -169,17 +173,29 @@ def check_scalars(sm_scale, sliding_window=None, soft_cap=None) -> None:
 
 def scale_checks(checks: _checks.ValueChecks, **scales) -> dict[str, torch.Tensor | None]:
     """Each given scale finite and > 0 (a cache entry means entry * scale); returns the scales, in
-    deferred mode with a bad entry made NaN (so the rows it touches follow the NaN policy)."""
+    deferred mode with a bad entry made NaN (so the rows it touches follow the NaN policy): one
+    launch each where the planned backend has the shared check (``_checks.SCALES_CHECK``)."""
     safe = {}
+    device_check = backends.helper(_checks.SCALES_CHECK, checks.backend) if checks.deferred else None
     for name, scale in scales.items():
         if scale is not None:
-            bad = ~(torch.isfinite(scale) & (scale > 0))
-            checks.add(bad, f"{name}: expected finite scales > 0 (a cache entry means entry * scale)",
-                       lambda scale=scale, bad=bad: f"got {scale.reshape(-1)[bad.reshape(-1)][0].item()}")
-            if checks.deferred:
-                scale = torch.where(bad, torch.nan, scale)
+            message = _scale_message(name)
+            if device_check is not None:
+                scale = device_check(scale, _checks.message_codes(scale.device, (message,)),
+                                     _checks.error_word(scale.device))
+            else:
+                bad = ~(torch.isfinite(scale) & (scale > 0))
+                checks.add(bad, message,
+                           lambda scale=scale, bad=bad: f"got {scale.reshape(-1)[bad.reshape(-1)][0].item()}")
+                if checks.deferred:
+                    scale = torch.where(bad, torch.nan, scale)
         safe[name] = scale
     return safe
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_message(name: str) -> str:
+    return f"{name}: expected finite scales > 0 (a cache entry means entry * scale)"
 
 
 def _first_bad(values, bad) -> str:
@@ -187,19 +203,43 @@ def _first_bad(values, bad) -> str:
     return f"{int(values[index])} at index {index}"
 
 
+@functools.lru_cache(maxsize=1024)  # a server's batches take a few shapes: formatted once each
+def _lengths_messages(num_tokens: int, num_blocks: int, block_size: int, max_blocks: int) -> tuple[str, ...]:
+    """check_lengths's messages, in the order its device checks count them."""
+    return ("cu_q_lens: expected to start at 0",
+            "cu_q_lens: expected non-decreasing offsets",
+            f"cu_q_lens: expected to end at the number of query tokens {num_tokens}",
+            "kv_lens: expected lengths >= 0",
+            "kv_lens: expected each sequence's kv length to count its new query tokens too",
+            f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's {max_blocks} pages of "
+            f"{block_size})",
+            f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses")
+
+
+@functools.lru_cache(maxsize=64)
+def _slots_messages(capacity: int) -> tuple[str, ...]:
+    """check_slots's messages, in the order its device checks count them."""
+    return (f"slot_mapping: expected -1 (padding) or a slot in [0, {capacity}) (num_blocks * block_size)",
+            "slot_mapping: expected each slot at most once")
+
+
 def check_slots(slot_mapping, key_cache, checks: _checks.ValueChecks | None = None) -> torch.Tensor:
     """Every slot is -1 (padding) or inside the cache, and no two tokens share one. Returns the
-    slots to write: in deferred mode an out-of-range slot becomes -1 (skipped). Without
-    ``checks``, checks fully now."""
+    slots to write: in deferred mode an out-of-range slot becomes -1 (skipped), in one launch where
+    the planned backend has the shared index check (``_checks.INDICES_CHECK``). Without ``checks``,
+    checks fully now."""
     own = checks is None
     checks = checks or _checks.ValueChecks(slot_mapping.device, "full")
     capacity = key_cache.shape[0] * key_cache.shape[1]
+    messages = _slots_messages(capacity)
+    if checks.deferred and (device_check := backends.helper(_checks.INDICES_CHECK, checks.backend)) is not None:
+        return device_check(slot_mapping, capacity, _checks.message_codes(slot_mapping.device, messages),
+                            _checks.error_word(slot_mapping.device), only_minus_one_pads=True, with_bad=False)[0]
     out_of_range = (slot_mapping < -1) | (slot_mapping >= capacity)
     ordered = torch.where(slot_mapping >= 0, slot_mapping, -1).sort().values
     shared = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
-    checks.add(out_of_range, f"slot_mapping: expected -1 (padding) or a slot in [0, {capacity}) (num_blocks * block_size)",
-               lambda: f"got {_first_bad(slot_mapping, out_of_range)}")
-    checks.add(shared, "slot_mapping: expected each slot at most once",  # a duplicate stays in bounds: not made safe
+    checks.add(out_of_range, messages[0], lambda: f"got {_first_bad(slot_mapping, out_of_range)}")
+    checks.add(shared, messages[1],  # a duplicate stays in bounds: not made safe
                lambda: f"got slot {int(ordered[1:][shared][0])} twice")
     if own:
         checks.finish()
@@ -215,13 +255,18 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` for the kernels: as given in full mode
     (``bad_rows`` None); in deferred mode made safe: a sequence with a bad length or page id attends
     to its own new rows over page 0 (the block table widened if its rows could not hold them), and
-    ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN. Without ``checks``, checks
-    fully now."""
+    ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN (where the planned backend
+    has its own one-launch check, ``LENGTHS_CHECK``, the same but that bad offsets leave every
+    sequence empty: all rows NaN either way). Without ``checks``, checks fully now."""
     own = checks is None
     checks = checks or _checks.ValueChecks(cu_q_lens.device, "full")
     num_tokens = query.shape[0]
     num_blocks, block_size = key_cache.shape[:2]
     num_seqs, max_blocks = block_table.shape
+    messages = _lengths_messages(num_tokens, num_blocks, block_size, max_blocks)
+    if checks.deferred and (device_check := backends.helper(LENGTHS_CHECK, checks.backend)) is not None:
+        return device_check(cu_q_lens, kv_lens, block_table, num_tokens, num_blocks, block_size,
+                            _checks.message_codes(cu_q_lens.device, messages), _checks.error_word(cu_q_lens.device))
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pages = (kv_lens.long() + block_size - 1) // block_size
     used = torch.arange(max_blocks, device=block_table.device) < pages[:, None]
@@ -229,20 +274,14 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     bad_block = used & bad_entry
     # each mask made once: the deferred mode's safe inputs below reuse them
     decreasing, negative, short, too_long = q_lens < 0, kv_lens < 0, q_lens > kv_lens, pages > max_blocks
-    starts_off = checks.add(cu_q_lens[0] != 0, "cu_q_lens: expected to start at 0", lambda: f"got {int(cu_q_lens[0])}")
-    decreases = checks.add(decreasing, "cu_q_lens: expected non-decreasing offsets",
-                           lambda: f"got a decrease at {_first_bad(cu_q_lens[1:], decreasing)}")
-    ends_off = checks.add(cu_q_lens[-1] != num_tokens,
-                          f"cu_q_lens: expected to end at the number of query tokens {num_tokens}",
-                          lambda: f"got {int(cu_q_lens[-1])}")
-    checks.add(negative, "kv_lens: expected lengths >= 0", lambda: f"got {_first_bad(kv_lens, negative)}")
-    checks.add(short, "kv_lens: expected each sequence's kv length to count its new query tokens too",
-               lambda: f"got kv length {_first_bad(kv_lens, short)} below its query length "
-                       f"{int(q_lens[short.nonzero()[0, 0]])}")
-    checks.add(too_long, f"kv_lens: expected at most {max_blocks * block_size} tokens (block_table's "
-                         f"{max_blocks} pages of {block_size})",
-               lambda: f"got {_first_bad(kv_lens, too_long)}")
-    checks.add(bad_block, f"block_table: expected block ids in [0, {num_blocks}) for the pages a sequence uses",
+    starts_off = checks.add(cu_q_lens[0] != 0, messages[0], lambda: f"got {int(cu_q_lens[0])}")
+    decreases = checks.add(decreasing, messages[1], lambda: f"got a decrease at {_first_bad(cu_q_lens[1:], decreasing)}")
+    ends_off = checks.add(cu_q_lens[-1] != num_tokens, messages[2], lambda: f"got {int(cu_q_lens[-1])}")
+    checks.add(negative, messages[3], lambda: f"got {_first_bad(kv_lens, negative)}")
+    checks.add(short, messages[4], lambda: f"got kv length {_first_bad(kv_lens, short)} below its query length "
+                                           f"{int(q_lens[short.nonzero()[0, 0]])}")
+    checks.add(too_long, messages[5], lambda: f"got {_first_bad(kv_lens, too_long)}")
+    checks.add(bad_block, messages[6],
                lambda: f"got {int(block_table[bad_block][0])} for sequence {int(bad_block.nonzero()[0, 0])}")
     if own:
         checks.finish()
@@ -330,7 +369,7 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None, implementation=None):
     check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    checks = _checks.ValueChecks(key.device)
+    checks = _checks.ValueChecks(key.device, backend=backends.planned(WRITE_OP, _device_type(key), implementation))
     slot_mapping = _checked_slots(checks, slot_mapping, key_cache)
     scales = scale_checks(checks, k_scale=k_scale, v_scale=v_scale)
     checks.finish()
@@ -392,7 +431,8 @@ def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, s
     if out is not None:
         check_out(out, query)
         _check_out_apart(out, query=query, key_cache=key_cache, value_cache=value_cache, key=key, value=value)
-    checks = _checks.ValueChecks(query.device)
+    kind = _device_type(query)
+    checks = _checks.ValueChecks(query.device, backend=backends.planned(OP, kind, implementation))
     cu_q_lens, kv_lens, block_table, bad_rows = _checked_lengths(checks, query, key_cache, cu_q_lens, kv_lens,
                                                                  block_table)
     if key is not None:
@@ -401,7 +441,6 @@ def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, s
     checks.finish()
     heads, device = key_cache.shape[2], query.device
     k_scale, v_scale = _scales(scales["k_scale"], heads, device), _scales(scales["v_scale"], heads, device)
-    kind = _device_type(query)
     if key is not None:
         key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
         if checks.deferred:  # written first: deciding whether the attention may write it reads the block table

@@ -168,7 +168,8 @@ def _forward_kernel(*args):
         _forward_args(args)
     check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, granularity=granularity, pv_dtype=pv_dtype,
                  smooth_k=smooth_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, smooth_q=smooth_q)
-    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2])
+    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2],
+                                              backend=backends.planned(OP, _device_type(q), implementation))
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     cu_q, cu_k = _index(cu_q), _index(cu_k)
     # once here, so every backend smooths with the same numbers
@@ -219,7 +220,8 @@ def _backward(ctx, grad_out, grad_lse):
 # ---- backward ----
 
 def _backward_kernel(grad_out, grad_lse, q, k, v, sm_scale, causal, cu_q=None, cu_k=None, implementation=None):
-    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2])
+    cu_q, cu_k, offsets_bad = _checks.checked(q.device, check_lengths, cu_q, cu_k, q.shape[2], k.shape[2],
+                                              backend=backends.planned(BACKWARD_OP, _device_type(q), implementation))
     prep = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
     grads = backends.dispatch(BACKWARD_OP, _device_type(q), implementation, prep(grad_out).to(q.dtype),
                               prep(grad_lse), prep(q), prep(k), prep(v), float(sm_scale), causal, _index(cu_q),

@@ -10,6 +10,7 @@ that :mod:`torch_kernels.distributed` registers (this module never imports it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -148,14 +149,24 @@ def routed_ids(topk_ids, num_experts: int) -> torch.Tensor:
     return torch.where((topk_ids < -1) | (topk_ids >= num_experts), -1, topk_ids)
 
 
+@functools.lru_cache(maxsize=64)
+def _ids_message(num_experts: int) -> str:
+    return f"topk_ids: expected expert ids in [0, {num_experts}) or -1 (dropped)"
+
+
 def check_ids_range(topk_ids, num_experts: int, checks: _checks.ValueChecks | None = None) -> torch.Tensor:
     """Every id is -1 (dropped) or an expert. Returns the ids to route: in deferred mode a bad id
     becomes -1 (:func:`routed_ids`). Without ``checks``, checks fully now."""
     own = checks is None
     checks = checks or _checks.ValueChecks(topk_ids.device, "full")
+    message = _ids_message(num_experts)
+    if checks.deferred and (device_check := backends.helper(_checks.INDICES_CHECK, checks.backend)) is not None:
+        device = topk_ids.device
+        routed, _ = device_check(topk_ids.reshape(-1), num_experts, _checks.message_codes(device, (message,)),
+                                 _checks.error_word(device), only_minus_one_pads=True, with_bad=False, unique=False)
+        return routed.view(topk_ids.shape)
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
-    checks.add(bad, f"topk_ids: expected expert ids in [0, {num_experts}) or -1 (dropped)",
-               lambda: f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")
+    checks.add(bad, message, lambda: f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")
     if own:
         checks.finish()
     return routed_ids(topk_ids, num_experts) if checks.deferred else topk_ids
@@ -229,7 +240,8 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, m
     check_ids(topk_ids, num_experts, x.shape[0])
     _checks.same_device(x=x, topk_ids=topk_ids)
     if not torch.compiler.is_compiling():
-        topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, num_experts)
+        topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, num_experts,
+                                   backend=backends.planned(GATHER, device_type(x), implementation))
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
     x_sorted = moe_gather_op(x, token_of_row, row_of_slot, backends.implementation_arg(implementation))
     return x_sorted, offsets, MoEHandle(token_of_row, row_of_slot, int(num_experts))

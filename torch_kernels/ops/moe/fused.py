@@ -62,7 +62,8 @@ def _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_s
 def _fused_kernel(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_scale=None, w2_scale=None,
                   block_shape=None, implementation=None):
     _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_shape)
-    topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, w13.shape[0])
+    topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, w13.shape[0],
+                               backend=backends.planned(FUSED, device_type(x), implementation))
     token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, w13.shape[0])
     plain = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
     return backends.dispatch(

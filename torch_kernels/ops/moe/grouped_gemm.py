@@ -3,6 +3,8 @@ contract), and ``grouped_mm_weight_grad``, the per-expert ``x_e^T dy_e`` its bac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import _checks, backends
@@ -35,6 +37,12 @@ def _check_grouped(x, w, offsets, out_dtype) -> None:
     _checks.same_device(x=x, w=w, offsets=offsets)
 
 
+@functools.lru_cache(maxsize=256)
+def _offsets_messages(rows: int) -> tuple[str, ...]:
+    return ("offsets: expected cumulative row ends >= 0", "offsets: expected non-decreasing cumulative row ends",
+            f"offsets: expected to end at most at the {rows} rows of x")
+
+
 def check_offsets(offsets, rows: int, checks: _checks.ValueChecks | None = None) -> tuple:
     """Offsets never decrease and stay within the rows. Returns ``(offsets, bad)``: as given in full
     mode (``bad`` None); in deferred mode clamped into ``[0, rows]`` and made non-decreasing, with
@@ -44,14 +52,16 @@ def check_offsets(offsets, rows: int, checks: _checks.ValueChecks | None = None)
         return offsets, None
     own = checks is None
     checks = checks or _checks.ValueChecks(offsets.device, "full")
+    messages = _offsets_messages(rows)
+    if checks.deferred and (device_check := backends.helper(_checks.OFFSETS_CHECK, checks.backend)) is not None:
+        return device_check(offsets, rows, _checks.message_codes(offsets.device, messages),
+                            _checks.error_word(offsets.device), ends=True)
     decreasing = offsets[1:] < offsets[:-1]
     failed = [
-        checks.add(offsets[0] < 0, "offsets: expected cumulative row ends >= 0",
-                   lambda: f"got {int(offsets[0])} first"),
-        checks.add(decreasing, "offsets: expected non-decreasing cumulative row ends",
+        checks.add(offsets[0] < 0, messages[0], lambda: f"got {int(offsets[0])} first"),
+        checks.add(decreasing, messages[1],
                    lambda: f"got {int(offsets[1:][decreasing][0])} after {int(offsets[:-1][decreasing][0])}"),
-        checks.add(offsets[-1] > rows, f"offsets: expected to end at most at the {rows} rows of x",
-                   lambda: f"got {int(offsets[-1])}"),
+        checks.add(offsets[-1] > rows, messages[2], lambda: f"got {int(offsets[-1])}"),
     ]
     if own:
         checks.finish()
@@ -72,7 +82,8 @@ def _weight_layout(w):
 
 def _grouped_kernel(x, w, offsets, out_dtype=None, implementation=None):
     _check_grouped(x, w, offsets, out_dtype)
-    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0])
+    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0],
+                                   backend=backends.planned(GROUPED_MM, device_type(x), implementation))
     if not x.shape[1] or not w.shape[2]:  # nothing to multiply: the same zeros on every backend
         out = x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
     else:
@@ -105,7 +116,8 @@ def _grouped_backward(ctx, d_out):
 
 
 def _weight_grad_kernel(x, dy, offsets, num_experts, out_dtype, implementation=None):
-    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0])
+    offsets, bad = _checks.checked(x.device, check_offsets, offsets, x.shape[0],
+                                   backend=backends.planned(WEIGHT_GRAD, device_type(x), implementation))
     if not (x.shape[1] and dy.shape[1] and num_experts):  # an empty gradient (grouped_mm with K, N or E 0)
         grad = x.new_zeros(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype)
     else:
