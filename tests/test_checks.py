@@ -427,3 +427,23 @@ def test_device_log_decay_check_agrees_with_the_torch_checks(positive_at, value,
         checks.finish()
         results.append(_failed_messages())
     assert results[0] == results[1] and bool(results[0]) == (positive_at is not None)
+
+
+def test_nothing_made_inside_a_graph_capture_is_kept_for_eager_calls(monkeypatch):
+    """Inside a CUDA-graph capture kernels are recorded, not run: a tensor filled there holds
+    nothing until a replay. So the error word is not made there (a clear error), and the codes
+    and the ones of a missing scale made there are used by that call only, not kept for eager
+    calls (checked here with the capture state faked on the CPU)."""
+    from torch_kernels.ops import paged_attention as paged
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_checks, "capturing", lambda device: True)
+    monkeypatch.setattr(_checks, "_words", {})
+    with pytest.raises(RuntimeError, match="run the ops once before capturing a CUDA graph"):
+        _checks.error_word(cpu)
+    messages = ("test: a message only this test records",)
+    codes = _checks.message_codes(cpu, messages)
+    assert codes.tolist() == [_checks._codes[messages[0]]]
+    assert (cpu, tuple(codes.tolist())) not in _checks._indices
+    ones = paged._scales(None, 7, cpu)
+    assert ones.tolist() == [1.0] * 7 and (cpu, 7) not in paged._ones

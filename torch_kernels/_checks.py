@@ -254,11 +254,21 @@ def _code(message: str) -> int:
     return code
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether this thread's current stream on ``device`` is being captured into a CUDA graph
+    (its kernels are then recorded, not run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def error_word(device: torch.device) -> torch.Tensor:
     """``device``'s error word (int32 ``[1024]``), made on first use and kept: a CUDA graph that
-    captured a deferred check writes into this same tensor on replay."""
+    captured a deferred check writes into this same tensor on replay. Made outside a capture (its
+    zeroing would only be recorded there): a first call inside one is a ``RuntimeError``."""
     word = _words.get(device)
     if word is None:
+        if capturing(device):
+            raise RuntimeError(f"torch_kernels: the deferred checks' error word of {device} is made on the first "
+                               "op call; run the ops once before capturing a CUDA graph (a warm-up step)")
         with _word_lock:
             word = _words.get(device)
             if word is None:
@@ -266,21 +276,33 @@ def error_word(device: torch.device) -> torch.Tensor:
     return word
 
 
-@functools.lru_cache(maxsize=1024)
 def message_codes(device: torch.device, messages: tuple[str, ...]) -> torch.Tensor:
     """The error word's entries for ``messages`` (int64, on ``device``): where a device check
     counts each message's failures (kept per device and messages; made without a host read)."""
     return _codes_on(device, tuple(_code(m) for m in messages))
 
 
+_host_codes: dict[tuple[int, ...], torch.Tensor] = {}
+
+
 def _codes_on(device: torch.device, codes: tuple[int, ...]) -> torch.Tensor:
+    """``codes`` as an int64 tensor on ``device``: copied from a host tensor that is kept (pinned
+    for CUDA), without waiting, so no synchronisation even on first use. Kept for later calls,
+    but for one made inside a CUDA-graph capture: its copy is only recorded there (it runs on each
+    replay, from the kept host tensor), so outside the graph it would hold nothing yet."""
     key = (device, codes)
     index = _indices.get(key)
     if index is None:
-        if len(_indices) > 4096:  # bounded: distinct messages per shape could grow without end
-            _indices.clear()
-        # made on the host and copied without waiting: no synchronisation, even on first use
-        index = _indices[key] = torch.tensor(codes, dtype=torch.int64).to(device, non_blocking=True)
+        host = _host_codes.get(codes)
+        if host is None:
+            if len(_host_codes) > 4096:  # bounded: distinct messages per shape could grow without end
+                _host_codes.clear()
+                _indices.clear()
+            host = torch.tensor(codes, dtype=torch.int64)
+            host = _host_codes[codes] = host.pin_memory() if device.type == "cuda" else host
+        index = host.to(device, non_blocking=True)
+        if not capturing(device):
+            _indices[key] = index
     return index
 
 

@@ -88,8 +88,8 @@ def check_indices(index: torch.Tensor, limit: int, codes: torch.Tensor, word: to
     streams."""
     device = index.device
     owner = _owners.get((device, limit)) if unique else index
-    if owner is None:
-        owner = _owners[(device, limit)] = torch.zeros(max(1, limit), dtype=torch.int32, device=device)
+    if owner is None:  # any contents do (each call writes its entries before reading them): made in a capture too
+        owner = _owners[(device, limit)] = torch.empty(max(1, limit), dtype=torch.int32, device=device)
     wide = narrow and index.dtype == torch.int64
     safe = torch.empty(index.shape, dtype=torch.int32 if narrow else index.dtype, device=device)
     bad = torch.empty(index.shape, dtype=torch.bool, device=device) if with_bad else safe

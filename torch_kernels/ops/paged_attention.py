@@ -358,7 +358,9 @@ def _scales(scale, num_kv_heads: int, device) -> torch.Tensor:
     if scale is None:
         ones = _ones.get((device, num_kv_heads))
         if ones is None:
-            ones = _ones[(device, num_kv_heads)] = torch.ones(num_kv_heads, device=device)
+            ones = torch.ones(num_kv_heads, device=device)
+            if not _checks.capturing(device):  # inside a capture its fill only runs on replay
+                _ones[(device, num_kv_heads)] = ones
         return ones
     return scale.reshape(-1).expand(num_kv_heads).contiguous()
 
