@@ -447,3 +447,4 @@ def test_nothing_made_inside_a_graph_capture_is_kept_for_eager_calls(monkeypatch
     assert (cpu, tuple(codes.tolist())) not in _checks._indices
     ones = paged._scales(None, 7, cpu)
     assert ones.tolist() == [1.0] * 7 and (cpu, 7) not in paged._ones
+

@@ -716,3 +716,17 @@ def test_moe_bytes_count_routed_rows_and_used_experts():
     logits = random_tensor(tokens, experts, seed=18)
     prof, (topk_weights, topk_ids) = profiled(lambda: torch_kernels.router_topk(logits, 2))
     assert only_row(prof, "router_topk")["bytes"] == nbytes(logits, topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(5, 2, 4), (300, 8, 64), (1, 1, 1), (0, 2, 3), (40, 3, 255)])
+def test_triton_routing_maps_equal_the_reference(tokens, top_k, experts):
+    """MoE's routing maps on the Triton backend (three launches: count, scan, place) equal
+    ``reference.sort_by_expert``'s bit for bit (rows in slot order within an expert, dropped slots
+    last), over several tiles of slots and with dropped ids."""
+    require_backend("triton")
+    from torch_kernels.ops.moe import _common
+
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
+    got, want = _common.sort_by_expert(ids, experts, "triton"), reference.sort_by_expert(ids, experts)
+    for name, g, w in zip(("token_of_row", "row_of_slot", "offsets"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name

@@ -481,6 +481,83 @@ def weight_grad_kernel(
 
 # ---- launchers ----
 
+# ---- routing: slots sorted by expert, stably, in three launches (count, scan, place) ----
+
+@triton.jit
+def _expert_keys(ids_ptr, slots, live, num_experts):
+    """Each slot's expert, ``num_experts`` for a dropped one (an id outside the experts: -1)."""
+    ids = tl.load(ids_ptr + slots, mask=live, other=-1)
+    return tl.where((ids < 0) | (ids >= num_experts), num_experts, ids).to(tl.int32)
+
+
+@triton.jit
+def route_count_kernel(ids_ptr, counts_ptr, num_slots, num_experts, TILE: tl.constexpr, EP: tl.constexpr):
+    """Program p: how many of slots ``[TILE p, TILE (p + 1))`` go to each expert (and dropped, at
+    ``num_experts``), as row p of ``counts`` [tiles, EP]."""
+    pid = tl.program_id(0)
+    slots = pid * TILE + tl.arange(0, TILE)
+    live = slots < num_slots
+    keys = _expert_keys(ids_ptr, slots, live, num_experts)
+    tl.store(counts_ptr + pid * EP + tl.arange(0, EP), tl.histogram(keys, EP, mask=live))
+
+
+@triton.jit
+def route_scan_kernel(counts_ptr, bases_ptr, offsets_ptr, num_tiles, num_experts, EP: tl.constexpr):
+    """One program: each expert's first row (experts in order, dropped slots last), each tile's
+    first row within its experts (``bases``, the tiles before it in order) and ``offsets``, each
+    expert's end."""
+    experts = tl.arange(0, EP)
+    totals = tl.zeros([EP], tl.int32)
+    for tile in range(num_tiles):
+        totals += tl.load(counts_ptr + tile * EP + experts)
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(offsets_ptr + experts, ends, mask=experts < num_experts)
+    running = ends - totals
+    for tile in range(num_tiles):
+        tl.store(bases_ptr + tile * EP + experts, running)
+        running += tl.load(counts_ptr + tile * EP + experts)
+
+
+@triton.jit
+def route_place_kernel(ids_ptr, bases_ptr, token_of_row_ptr, row_of_slot_ptr, num_slots, num_experts, top_k,
+                       TILE: tl.constexpr, EP: tl.constexpr):
+    """Program p: the rows of its slots, its tile's base for the expert plus the slots of that
+    expert before it in the tile (so rows keep slot order within an expert); ``token_of_row`` and
+    ``row_of_slot`` from them, -1 for a dropped slot."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, TILE)
+    slots = pid * TILE + lanes
+    live = slots < num_slots
+    keys = _expert_keys(ids_ptr, slots, live, num_experts)
+    before = (keys[:, None] == keys[None, :]) & (lanes[None, :] < lanes[:, None])
+    rows = tl.load(bases_ptr + pid * EP + keys, mask=live, other=0) + tl.sum(before.to(tl.int32), axis=1)
+    dropped = keys == num_experts
+    tl.store(token_of_row_ptr + rows, tl.where(dropped, -1, slots // top_k).to(tl.int64), mask=live)
+    tl.store(row_of_slot_ptr + slots, tl.where(dropped, -1, rows).to(tl.int64), mask=live)
+
+
+_ROUTE_TILE = 128
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Contract: ``torch_kernels.reference.moe.sort_by_expert`` (the same maps, bit for bit), in
+    three launches; an id outside the experts counts as dropped."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots, device = num_tokens * top_k, topk_ids.device
+    ids = topk_ids.reshape(-1).contiguous()
+    ep = triton.next_power_of_2(num_experts + 1)
+    tiles = max(1, triton.cdiv(num_slots, _ROUTE_TILE))
+    counts = torch.empty(2, tiles, ep, dtype=torch.int32, device=device)  # counts, then bases
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
+    token_of_row = torch.empty(num_slots, dtype=torch.int64, device=device)
+    row_of_slot = torch.empty(num_slots, dtype=torch.int64, device=device)
+    for_device(route_count_kernel, device)[(tiles,)](ids, counts[0], num_slots, num_experts, TILE=_ROUTE_TILE, EP=ep)
+    for_device(route_scan_kernel, device)[(1,)](counts[0], counts[1], offsets, tiles, num_experts, EP=ep)
+    for_device(route_place_kernel, device)[(tiles,)](ids, counts[1], token_of_row, row_of_slot, num_slots,
+                                                      num_experts, top_k, TILE=_ROUTE_TILE, EP=ep)
+    return token_of_row, row_of_slot.view(num_tokens, top_k), offsets
+
+
 def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
@@ -828,6 +905,25 @@ def compile_groups(everything: bool) -> dict:
                 for target in compile_targets(model, dtype, weight_dtype, block_shape, num_tokens=tokens)
                 if only is None or target.name in only]
 
-    return {f"moe-{model}-{dtype_name(dtype)}{'-fp8' if weight_dtype else ''}-T{tokens}": functools.partial(
+    def routing(arch: int = 90) -> list[dict]:
+        found = []
+        for num_experts in (128, 256):  # Qwen3-30B-A3B, DeepSeek-V3
+            ep = dict(EP=triton.next_power_of_2(num_experts + 1))
+            tile = dict(TILE=_ROUTE_TILE, **ep)
+            found += [
+                dict(label=f"route_count E={num_experts}", kernel=route_count_kernel, constexprs=tile,
+                     signature=dict(ids_ptr="*i64", counts_ptr="*i32", num_slots="i32", num_experts="i32",
+                                    TILE="constexpr", EP="constexpr"), num_warps=4, num_stages=None),
+                dict(label=f"route_scan E={num_experts}", kernel=route_scan_kernel, constexprs=ep,
+                     signature=dict(counts_ptr="*i32", bases_ptr="*i32", offsets_ptr="*i32", num_tiles="i32",
+                                    num_experts="i32", EP="constexpr"), num_warps=4, num_stages=None),
+                dict(label=f"route_place E={num_experts}", kernel=route_place_kernel, constexprs=tile,
+                     signature=dict(ids_ptr="*i64", bases_ptr="*i32", token_of_row_ptr="*i64",
+                                    row_of_slot_ptr="*i64", num_slots="i32", num_experts="i32", top_k="i32",
+                                    TILE="constexpr", EP="constexpr"), num_warps=4, num_stages=None)]
+        return found
+
+    return {**{f"moe-{model}-{dtype_name(dtype)}{'-fp8' if weight_dtype else ''}-T{tokens}": functools.partial(
                 builds, model, dtype, weight_dtype, block_shape, tokens, None if everything else only)
-            for model, dtype, weight_dtype, block_shape, tokens, only in _COMPILE_CASES}
+               for model, dtype, weight_dtype, block_shape, tokens, only in _COMPILE_CASES},
+            "moe-routing": routing}

@@ -11,8 +11,9 @@ Layouts are what users hold: tokens ``[T, H]``; expert weights ``[E, K, N]`` for
 (``torch.nn.functional.grouped_mm``'s contract, with cumulative int32 row ``offsets``), and vLLM's
 ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` for ``fused_moe`` (transformers' ``gate_up_proj`` and
 ``down_proj``). Routing metadata (which token each sorted row comes from, which row each of a
-token's choices went to) is computed once on the device by ``reference.sort_by_expert``, with no
-host sync, and carried from dispatch to combine by a :class:`MoEHandle`.
+token's choices went to) is computed once on the device by ``_common.sort_by_expert`` (the
+backend's routing kernels, or ``reference.sort_by_expert``'s torch ops), with no host sync, and
+carried from dispatch to combine by a :class:`MoEHandle`.
 
 Ops with a backend kernel (``torch.ops.torch_kernels.*``): ``router_topk``, ``moe_gather``,
 ``moe_combine``, ``grouped_mm``, ``grouped_mm_weight_grad`` and ``fused_moe``. Their backwards are

@@ -9,6 +9,7 @@ import torch
 
 from ... import _checks, backends
 from ..._library import tensor_bytes
+from ...reference import moe as reference
 
 FLOAT_DTYPES = _checks.FLOAT_DTYPES  # backends decline float64; the reference takes it (gradcheck)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -38,3 +39,16 @@ def backward_order(t: torch.Tensor, implementation) -> str | None:
 def per_expert_bytes(t, used: int) -> int:
     """The bytes of ``used`` of the experts of ``t`` (``[E, ...]``, or None)."""
     return 0 if t is None else tensor_bytes(t) // t.shape[0] * used
+
+
+# the routing maps (``reference.sort_by_expert``) in the backend's own launches where it has them
+SORT_BY_EXPERT = "moe.sort_by_expert"
+backends.register(SORT_BY_EXPERT, "triton", "triton_impl.moe:sort_by_expert")
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, backend: str | None):
+    """``reference.sort_by_expert``'s maps (the same, bit for bit), made by ``backend``'s routing
+    kernels where it has them (Triton: three launches), else by torch ops (about fourteen). Every
+    id must be -1 or an expert (the op's checks see to that)."""
+    device_sort = backends.helper(SORT_BY_EXPERT, backend)
+    return (device_sort or reference.sort_by_expert)(topk_ids, num_experts)

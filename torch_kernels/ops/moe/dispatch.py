@@ -1,6 +1,6 @@
 """``moe_dispatch`` and ``moe_combine``: token copies sorted by expert, and back.
 
-``moe_dispatch`` computes the routing maps (``reference.sort_by_expert``) and runs the op
+``moe_dispatch`` computes the routing maps (``_common.sort_by_expert``) and runs the op
 ``moe_gather`` (``torch.ops.torch_kernels.moe_gather``), which copies the rows; ``moe_combine``
 runs the op of the same name. The backward of a gather is a combine with unit weights, and that
 of a combine is a gather. With a ``torch.distributed`` group, both go to the :class:`GroupPath`
@@ -18,7 +18,7 @@ import torch
 from ... import _checks, backends
 from ..._library import define, register_cost, tensor_bytes
 from ...reference import moe as reference
-from ._common import FLOAT_DTYPES, backward_order, device_type, is_int
+from ._common import FLOAT_DTYPES, backward_order, device_type, is_int, sort_by_expert
 
 GATHER, COMBINE = "moe_gather", "moe_combine"
 backends.register(GATHER, "reference", reference.moe_gather)
@@ -239,10 +239,11 @@ def moe_dispatch(x, topk_ids, num_experts, implementation=None, *, group=None, m
         raise ValueError(f"num_experts: expected an int >= 1, got {num_experts!r}")
     check_ids(topk_ids, num_experts, x.shape[0])
     _checks.same_device(x=x, topk_ids=topk_ids)
+    backend = None  # traced by torch.compile: the maps as torch ops, which it compiles
     if not torch.compiler.is_compiling():
-        topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, num_experts,
-                                   backend=backends.planned(GATHER, device_type(x), implementation))
-    token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, num_experts)
+        backend = backends.planned(GATHER, device_type(x), implementation)
+        topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, num_experts, backend=backend)
+    token_of_row, row_of_slot, offsets = sort_by_expert(topk_ids, num_experts, backend)
     x_sorted = moe_gather_op(x, token_of_row, row_of_slot, backends.implementation_arg(implementation))
     return x_sorted, offsets, MoEHandle(token_of_row, row_of_slot, int(num_experts))
 

@@ -10,7 +10,7 @@ import torch
 from ... import _checks, backends
 from ..._library import define, register_cost, tensor_bytes
 from ...reference import moe as reference
-from ._common import FLOAT_DTYPES, FP8_DTYPES, backward_order, device_type, is_int, per_expert_bytes
+from ._common import FLOAT_DTYPES, FP8_DTYPES, backward_order, device_type, is_int, per_expert_bytes, sort_by_expert
 from .dispatch import check_ids, check_ids_range, combine_backward, gather_backward, moe_gather_op, routed_ids
 from .grouped_gemm import grouped_mm_op, grouped_mm_weight_grad_op
 
@@ -62,9 +62,9 @@ def _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_s
 def _fused_kernel(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_scale=None, w2_scale=None,
                   block_shape=None, implementation=None):
     _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_shape)
-    topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, w13.shape[0],
-                               backend=backends.planned(FUSED, device_type(x), implementation))
-    token_of_row, row_of_slot, offsets = reference.sort_by_expert(topk_ids, w13.shape[0])
+    backend = backends.planned(FUSED, device_type(x), implementation)
+    topk_ids = _checks.checked(x.device, check_ids_range, topk_ids, w13.shape[0], backend=backend)
+    token_of_row, row_of_slot, offsets = sort_by_expert(topk_ids, w13.shape[0], backend)
     plain = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
     return backends.dispatch(
         FUSED, device_type(x), implementation, plain(x), plain(w13), plain(w2), topk_weights.detach().to(reference.compute_dtype(x.dtype)).contiguous(),
