@@ -448,3 +448,27 @@ def test_nothing_made_inside_a_graph_capture_is_kept_for_eager_calls(monkeypatch
     ones = paged._scales(None, 7, cpu)
     assert ones.tolist() == [1.0] * 7 and (cpu, 7) not in paged._ones
 
+
+
+def test_device_checks_take_strided_inputs():
+    """Strided views (every other entry, a transposed block table) checked in one launch give what
+    the torch ops give: the launchers make them contiguous, the kernels never step past them."""
+    require_backend("triton")
+    from torch_kernels.ops import paged_attention as paged
+
+    _, query, cache, cu, kv, table = next(b for b in _corrupted_batches() if b[0] == "150 sequences, bad page")
+    strided = (torch.stack([cu, cu + 10**6], 1)[:, 0], torch.stack([kv, -kv], 1)[:, 0], table.t().contiguous().t())
+    assert not any(t.is_contiguous() for t in strided)
+    slots = torch.arange(40, dtype=torch.int64).flip(0)[::2]
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(cache.device, "deferred", backend)
+        lengths = paged.check_lengths(query, cache, *strided, checks)
+        safe_slots = paged.check_slots(slots, cache, checks)
+        offsets = _checks.packed_offsets("cu_seqlens", strided[0], query.shape[0], "T", checks)
+        checks.finish()
+        results.append((lengths, safe_slots, offsets, _failed_messages()))
+    (want_lengths, want_slots, want_offsets, want_failed), (lengths, slots_got, offsets, failed) = results
+    assert failed == want_failed and len(failed) == 1
+    assert torch.equal(lengths[3], want_lengths[3]) and torch.equal(lengths[2], want_lengths[2])
+    assert torch.equal(slots_got, want_slots) and torch.equal(offsets[0], want_offsets[0])

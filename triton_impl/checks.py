@@ -87,6 +87,7 @@ def check_indices(index: torch.Tensor, limit: int, codes: torch.Tensor, word: to
     device, made once per device and limit; calls on one device must not run at once on two
     streams."""
     device = index.device
+    index = index.contiguous()  # the kernel steps 1 along it
     owner = _owners.get((device, limit)) if unique else index
     if owner is None:  # any contents do (each call writes its entries before reading them): made in a capture too
         owner = _owners[(device, limit)] = torch.empty(max(1, limit), dtype=torch.int32, device=device)
@@ -145,6 +146,7 @@ def check_offsets(offsets: torch.Tensor, total: int, codes: torch.Tensor, word: 
     bad)``: the offsets clamped into ``[0, total]`` and made non-decreasing (packed ones also from
     0 to ``total``, as ``torch_kernels._checks.safe_offsets``), and a 0-dim bool set when a check
     failed."""
+    offsets = offsets.contiguous()  # the kernel steps 1 along it
     safe = torch.empty_like(offsets)
     bad = torch.empty((), dtype=torch.bool, device=offsets.device)
     kernel = for_device(check_offsets_kernel, offsets.device)

@@ -514,6 +514,8 @@ def check_lengths(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: 
     num_seqs, max_blocks = block_table.shape
     width = max(max_blocks, -(-num_tokens // block_size))  # pages enough for a bad sequence's own rows
     device = cu_q_lens.device
+    # the kernel steps 1 along each (a strided view, such as a column slice, is copied)
+    cu_q_lens, kv_lens, block_table = cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous()
     safe = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, device=device)
     bad_rows = torch.empty(num_tokens, dtype=torch.bool, device=device)
     safe_cu, safe_kv = safe[:num_seqs + 1], safe[num_seqs + 1:2 * num_seqs + 1]
