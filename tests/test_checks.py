@@ -472,3 +472,28 @@ def test_device_checks_take_strided_inputs():
     assert failed == want_failed and len(failed) == 1
     assert torch.equal(lengths[3], want_lengths[3]) and torch.equal(lengths[2], want_lengths[2])
     assert torch.equal(slots_got, want_slots) and torch.equal(offsets[0], want_offsets[0])
+
+
+@pytest.mark.parametrize("lengths", [[0, 5, 9], [3, -1, 2], [2**31 + 4, 1], [-(2**40), 2**40]],
+                         ids=["good", "negative", "past int32", "both, wide"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_device_conv_lengths_check_agrees_with_the_torch_checks(lengths, dtype):
+    """causal_conv1d_update's ``cache_seqlens`` (>= 0, within int32) as one launch, then the int32
+    form its kernels take: the same failed messages, lengths and entries marked for NaN output as
+    the torch ops'."""
+    require_backend("triton")
+    from torch_kernels.ops import causal_conv1d
+
+    if dtype == torch.int32 and any(not _checks.INT32_MIN <= n <= _checks.INT32_MAX for n in lengths):
+        pytest.skip("int32 cannot hold these lengths")
+    given = torch.tensor(lengths, dtype=dtype)
+    conv_state = torch.empty(len(lengths), 2, 3)
+    results = []
+    for backend in (None, "triton"):
+        checks = _checks.ValueChecks(given.device, "deferred", backend)
+        safe, _, bad = causal_conv1d.check_update_values(conv_state, given, None, checks)
+        safe = _checks.int32_values("cache_seqlens", safe, checks)
+        checks.finish()
+        results.append((safe, bad, _failed_messages()))
+    (want, want_bad, want_failed), (got, got_bad, got_failed) = results
+    assert torch.equal(got, want) and torch.equal(got_bad, want_bad) and got_failed == want_failed

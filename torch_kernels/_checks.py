@@ -101,11 +101,12 @@ def int32_values(name: str, value: torch.Tensor | None, checks: "ValueChecks | N
 # The shared deferred checks a backend may run as one device launch of its own (``backends.helper``,
 # chosen by ``ValueChecks.backend``); the rest run as torch ops. Messages are made once per shape.
 OFFSETS_CHECK, INDICES_CHECK, SCALES_CHECK = "checks.packed_offsets", "checks.indices", "checks.scales"
-NOT_POSITIVE_CHECK = "checks.not_positive"
+NOT_POSITIVE_CHECK, LENGTHS_CHECK = "checks.not_positive", "checks.lengths"
 backends.register(OFFSETS_CHECK, "triton", "triton_impl.checks:check_offsets")
 backends.register(INDICES_CHECK, "triton", "triton_impl.checks:check_indices")
 backends.register(SCALES_CHECK, "triton", "triton_impl.checks:check_scales")
 backends.register(NOT_POSITIVE_CHECK, "triton", "triton_impl.checks:check_not_positive")
+backends.register(LENGTHS_CHECK, "triton", "triton_impl.checks:check_lengths")
 
 
 @functools.lru_cache(maxsize=256)

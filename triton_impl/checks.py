@@ -192,6 +192,44 @@ _OFFSETS_TILE = 1024
 
 
 @triton.jit
+def check_lengths_kernel(lengths_ptr, codes_ptr, word_ptr, safe_ptr, bad_ptr, count, WIDE: tl.constexpr,
+                         TILE: tl.constexpr):
+    """See ``check_lengths``."""
+    negative = 0
+    too_long = 0
+    for start in range(0, count, TILE):
+        rows = start + tl.arange(0, TILE)
+        live = rows < count
+        length = tl.load(lengths_ptr + rows, mask=live, other=0)
+        below = live & (length < 0)
+        negative += tl.sum(below.to(tl.int32), axis=0)
+        bad = below
+        if WIDE:
+            above = live & (length > INT32_MAX)
+            too_long += tl.sum(above.to(tl.int32), axis=0)
+            bad = bad | above
+        safe = tl.minimum(tl.maximum(length, 0), INT32_MAX)
+        tl.store(safe_ptr + rows, safe.to(tl.int32), mask=live)
+        tl.store(bad_ptr + rows, bad, mask=live)
+    record(word_ptr, codes_ptr, 0, negative)
+    if WIDE:
+        record(word_ptr, codes_ptr, 1, too_long)
+
+
+def check_lengths(lengths: torch.Tensor, codes: torch.Tensor, word: torch.Tensor):
+    """Lengths (1-D) >= 0 and, int64 ones, within int32; counts at ``codes`` [negative, past
+    int32's range]. Returns ``(safe, bad)``: int32 lengths clamped into ``[0, 2**31 - 1]``, and a
+    bool per entry marking the bad ones (their outputs must be NaN)."""
+    lengths = lengths.contiguous()  # the kernel steps 1 along it
+    safe = torch.empty(lengths.shape, dtype=torch.int32, device=lengths.device)
+    bad = torch.empty(lengths.shape, dtype=torch.bool, device=lengths.device)
+    kernel = for_device(check_lengths_kernel, lengths.device)
+    kernel[(1,)](lengths, codes, word, safe, bad, lengths.shape[0], WIDE=lengths.dtype == torch.int64,
+                 TILE=_INDEX_TILE)
+    return safe, bad
+
+
+@triton.jit
 def check_scales_kernel(scale_ptr, codes_ptr, word_ptr, safe_ptr, count, TILE: tl.constexpr):
     """See ``check_scales``."""
     bad_count = 0
@@ -248,6 +286,13 @@ def compile_groups(everything: bool) -> dict:
                                              word_ptr="*i32", count="i64", INF_BITS="constexpr", TILE="constexpr",
                                              TILES="constexpr"),
                               constexprs=dict(INF_BITS=inf_bits, TILE=_SIGN_TILE, TILES=_SIGN_TILES), num_warps=4,
+                              num_stages=None))
+        for index_type in ("i32", "i64"):
+            found.append(dict(label=f"check_lengths {index_type}", kernel=check_lengths_kernel,
+                              signature=dict(lengths_ptr=f"*{index_type}", codes_ptr="*i64", word_ptr="*i32",
+                                             safe_ptr="*i32", bad_ptr="*i1", count="i32", WIDE="constexpr",
+                                             TILE="constexpr"),
+                              constexprs=dict(WIDE=index_type == "i64", TILE=_INDEX_TILE), num_warps=4,
                               num_stages=None))
         found.append(dict(label="check_scales", kernel=check_scales_kernel,
                           signature=dict(scale_ptr="*fp32", codes_ptr="*i64", word_ptr="*i32", safe_ptr="*fp32",

@@ -132,15 +132,25 @@ def check_update_values(conv_state, cache_seqlens, conv_state_indices,
         conv_state_indices, bad_entries = _checks.state_rows("conv_state_indices", conv_state_indices, "conv_state",
                                                              conv_state.shape[0], checks)
     if cache_seqlens is not None:
-        negative = cache_seqlens < 0
-        checks.add(negative, "cache_seqlens: expected lengths >= 0", lambda: f"got {cache_seqlens.tolist()}")
-        if checks.deferred:
-            # an int64 length past int32's range saturates to a valid-looking one: bad
-            bad_lengths = negative
-            if cache_seqlens.dtype == torch.int64:
-                bad_lengths = negative | (cache_seqlens > _checks.INT32_MAX)
+        message = "cache_seqlens: expected lengths >= 0"
+        device_check = backends.helper(_checks.LENGTHS_CHECK, checks.backend) if checks.deferred else None
+        bad_lengths = None
+        if device_check is not None:  # int32 lengths straight away, their int32 range checked there too
+            device = cache_seqlens.device
+            cache_seqlens, bad_lengths = device_check(
+                cache_seqlens, _checks.message_codes(device, (message, _checks.int32_message("cache_seqlens"))),
+                _checks.error_word(device))
+        else:
+            negative = cache_seqlens < 0
+            checks.add(negative, message, lambda: f"got {cache_seqlens.tolist()}")
+            if checks.deferred:
+                # an int64 length past int32's range saturates to a valid-looking one: bad
+                bad_lengths = negative
+                if cache_seqlens.dtype == torch.int64:
+                    bad_lengths = negative | (cache_seqlens > _checks.INT32_MAX)
+                cache_seqlens = cache_seqlens.clamp(min=0)
+        if bad_lengths is not None:
             bad_entries = bad_lengths if bad_entries is None else bad_entries | bad_lengths
-            cache_seqlens = cache_seqlens.clamp(min=0)
     if own:
         checks.finish()
     return cache_seqlens, conv_state_indices, bad_entries
