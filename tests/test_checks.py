@@ -251,7 +251,7 @@ def _corrupted_batches():
 
 @pytest.mark.parametrize("batch", list(_corrupted_batches()), ids=lambda b: b[0])
 def test_device_lengths_check_agrees_with_the_torch_checks(batch):
-    """The Triton backend's one-launch deferred check of a paged batch (``check_lengths_kernel``)
+    """The Triton backend's one-launch deferred check of a paged batch (``check_batch_kernel``)
     against the same checks as torch ops: the same failed messages in the error word, the same
     ``bad_rows``; with offsets that hold, the same safe lengths and block table too (with bad
     offsets every row is NaN either way, and the launch leaves every sequence empty)."""

@@ -77,15 +77,16 @@ _owners: dict[tuple[torch.device, int], torch.Tensor] = {}
 def check_indices(index: torch.Tensor, limit: int, codes: torch.Tensor, word: torch.Tensor, *,
                   only_minus_one_pads: bool, with_bad: bool, narrow: bool = False, unique: bool = True):
     """Indices into something of ``limit`` entries (cache slots, state rows, experts), 1-D: each
-    padding or below ``limit`` and, with ``unique`` (what is written in place), none twice. Padding
-    is -1 (``only_minus_one_pads``: below -1 is out of range) or any negative. Counts at ``codes`` [out of range, repeated] and, with
-    ``narrow`` (``index`` given back as int32), [an index kept outside int32's range] (an int64 one
-    below it is then marked in ``bad`` too). Returns ``(safe,
-    bad)``: the indices with every padding and out-of-range one -1 (int32 with ``narrow``, else
-    ``index``'s dtype), and with ``with_bad`` a bool ``[count]`` marking the out-of-range ones
-    (None without). A repeat stays (in bounds, recorded only). Keeps an int32 entry per index on the
-    device, made once per device and limit; calls on one device must not run at once on two
-    streams."""
+    padding or below ``limit`` and, with ``unique`` (what is written in place), none twice.
+    Padding is -1 (``only_minus_one_pads``: below -1 is out of range) or any negative.
+
+    Counts at ``codes`` [out of range, repeated] and, with ``narrow`` (the indices given back as
+    int32), [an index kept outside int32's range]. Returns ``(safe, bad)``: the indices with each
+    out-of-range one -1 (int32 and saturated with ``narrow``, else ``index``'s dtype), and with
+    ``with_bad`` a bool ``[count]`` marking the out-of-range ones and, narrowed, the int64 ones
+    below int32's range (None without). A repeat stays (in bounds, recorded only). Keeps an int32
+    entry per index on the device, made once per device and limit: calls on one device must not
+    run at once on two streams."""
     device = index.device
     index = index.contiguous()  # the kernel steps 1 along it
     owner = _owners.get((device, limit)) if unique else index
@@ -98,6 +99,9 @@ def check_indices(index: torch.Tensor, limit: int, codes: torch.Tensor, word: to
     kernel[(1,)](index, owner, codes, word, safe, bad, index.shape[0], limit, ONLY_MINUS_ONE_PADS=only_minus_one_pads,
                  HAS_BAD=with_bad, WIDE=wide, UNIQUE=unique, TILE=_INDEX_TILE)
     return safe, bad if with_bad else None
+
+
+_OFFSETS_TILE = 1024
 
 
 @triton.jit
@@ -146,6 +150,8 @@ def check_offsets(offsets: torch.Tensor, total: int, codes: torch.Tensor, word: 
     bad)``: the offsets clamped into ``[0, total]`` and made non-decreasing (packed ones also from
     0 to ``total``, as ``torch_kernels._checks.safe_offsets``), and a 0-dim bool set when a check
     failed."""
+    if not offsets.numel():
+        raise ValueError("offsets: expected at least one entry")
     offsets = offsets.contiguous()  # the kernel steps 1 along it
     safe = torch.empty_like(offsets)
     bad = torch.empty((), dtype=torch.bool, device=offsets.device)
@@ -186,9 +192,6 @@ def check_not_positive(values: torch.Tensor, codes: torch.Tensor, word: torch.Te
 
 
 _SIGN_TILE, _SIGN_TILES = 1024, 8
-
-
-_OFFSETS_TILE = 1024
 
 
 @triton.jit

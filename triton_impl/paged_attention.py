@@ -423,7 +423,7 @@ def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_rows,
 
 
 @triton.jit
-def check_lengths_kernel(cu_ptr, kv_ptr, table_ptr, table_stride, codes_ptr, word_ptr,
+def check_batch_kernel(cu_ptr, kv_ptr, table_ptr, table_stride, codes_ptr, word_ptr,
                          safe_cu_ptr, safe_kv_ptr, safe_table_ptr, bad_rows_ptr,
                          num_seqs, num_tokens, num_blocks, block_size, max_blocks, width,
                          SEQS: tl.constexpr, PAGES: tl.constexpr, TOKENS: tl.constexpr, SCAN: tl.constexpr):
@@ -504,10 +504,10 @@ def check_lengths_kernel(cu_ptr, kv_ptr, table_ptr, table_stride, codes_ptr, wor
 _LENGTHS_TILES = dict(SEQS=32, PAGES=32, TOKENS=32, SCAN=256)
 
 
-def check_lengths(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: int, block_size: int,
-                  codes: torch.Tensor, word: torch.Tensor):
+def check_batch(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: int, block_size: int,
+                codes: torch.Tensor, word: torch.Tensor):
     """A paged batch's deferred value checks in one launch, recorded in ``word`` (int32 counts) at
-    ``codes`` (int32 ``[7]``, in the order of ``torch_kernels.ops.paged_attention.check_lengths``'s
+    ``codes`` (int64 ``[7]``, in the order of ``torch_kernels.ops.paged_attention.check_lengths``'s
     messages), no host read. Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` made safe as
     that function's deferred mode says, except that bad offsets leave every sequence empty (their
     rows are all in ``bad_rows`` either way)."""
@@ -520,7 +520,7 @@ def check_lengths(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: 
     bad_rows = torch.empty(num_tokens, dtype=torch.bool, device=device)
     safe_cu, safe_kv = safe[:num_seqs + 1], safe[num_seqs + 1:2 * num_seqs + 1]
     safe_table = safe[2 * num_seqs + 1:].view(num_seqs, width)
-    kernel = for_device(check_lengths_kernel, device)
+    kernel = for_device(check_batch_kernel, device)
     kernel[(max(1, triton.cdiv(num_seqs, _LENGTHS_TILES["SEQS"])),)](
         cu_q_lens, kv_lens, block_table, block_table.stride(0), codes, word, safe_cu, safe_kv, safe_table, bad_rows,
         num_seqs, num_tokens, num_blocks, block_size, max_blocks, width, **_LENGTHS_TILES)
@@ -753,7 +753,7 @@ def compile_groups(everything: bool) -> dict:
                                             "safe_kv_ptr", "safe_table_ptr")}
         lengths.update(codes_ptr="*i64", bad_rows_ptr="*i1", **{name: "i32" for name in (
             "table_stride", "num_seqs", "num_tokens", "num_blocks", "block_size", "max_blocks", "width")})
-        return [dict(label="check_lengths (deferred checks of a paged batch)", kernel=check_lengths_kernel,
+        return [dict(label="check_batch (deferred checks of a paged batch)", kernel=check_batch_kernel,
                      signature={**lengths, **{name: "constexpr" for name in _LENGTHS_TILES}},
                      constexprs=dict(_LENGTHS_TILES), num_warps=4, num_stages=None)]
 

@@ -41,8 +41,8 @@ backends.register(OP, "triton", "triton_impl.paged_attention:ragged_paged_attent
 backends.register(OP, "pallas", "torch_kernels.pallas.paged_attention:pallas_ragged_paged_attention")
 backends.register(OP, "sycl", "oneapi_impl.paged_attention:ragged_paged_attention")
 # the deferred value checks of a batch's lengths and block table in one launch
-LENGTHS_CHECK = "paged_attention.check_lengths"
-backends.register(LENGTHS_CHECK, "triton", "triton_impl.paged_attention:check_lengths")
+BATCH_CHECK = "paged_attention.check_batch"
+backends.register(BATCH_CHECK, "triton", "triton_impl.paged_attention:check_batch")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
@@ -256,7 +256,7 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     (``bad_rows`` None); in deferred mode made safe: a sequence with a bad length or page id attends
     to its own new rows over page 0 (the block table widened if its rows could not hold them), and
     ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN (where the planned backend
-    has its own one-launch check, ``LENGTHS_CHECK``, the same but that bad offsets leave every
+    has its own one-launch check, ``BATCH_CHECK``, the same but that bad offsets leave every
     sequence empty: all rows NaN either way). Without ``checks``, checks fully now."""
     own = checks is None
     checks = checks or _checks.ValueChecks(cu_q_lens.device, "full")
@@ -264,7 +264,7 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     num_blocks, block_size = key_cache.shape[:2]
     num_seqs, max_blocks = block_table.shape
     messages = _lengths_messages(num_tokens, num_blocks, block_size, max_blocks)
-    if checks.deferred and (device_check := backends.helper(LENGTHS_CHECK, checks.backend)) is not None:
+    if checks.deferred and (device_check := backends.helper(BATCH_CHECK, checks.backend)) is not None:
         return device_check(cu_q_lens, kv_lens, block_table, num_tokens, num_blocks, block_size,
                             _checks.message_codes(cu_q_lens.device, messages), _checks.error_word(cu_q_lens.device))
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
