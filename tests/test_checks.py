@@ -444,7 +444,7 @@ def test_nothing_made_inside_a_graph_capture_is_kept_for_eager_calls(monkeypatch
     messages = ("test: a message only this test records",)
     codes = _checks.message_codes(cpu, messages)
     assert codes.tolist() == [_checks._codes[messages[0]]]
-    assert (cpu, tuple(codes.tolist())) not in _checks._indices
+    assert (cpu, tuple(codes.tolist())) not in _checks._indices and (cpu, messages) not in _checks._message_indices
     ones = paged._scales(None, 7, cpu)
     assert ones.tolist() == [1.0] * 7 and (cpu, 7) not in paged._ones
 

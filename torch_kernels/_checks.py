@@ -277,10 +277,21 @@ def error_word(device: torch.device) -> torch.Tensor:
     return word
 
 
+_message_indices: dict[tuple, torch.Tensor] = {}  # (device, messages) -> their codes there
+
+
 def message_codes(device: torch.device, messages: tuple[str, ...]) -> torch.Tensor:
     """The error word's entries for ``messages`` (int64, on ``device``): where a device check
     counts each message's failures (kept per device and messages; made without a host read)."""
-    return _codes_on(device, tuple(_code(m) for m in messages))
+    key = (device, messages)
+    index = _message_indices.get(key)
+    if index is None:
+        index = _codes_on(device, tuple(_code(m) for m in messages))
+        if not capturing(device):  # as _codes_on keeps them
+            if len(_message_indices) > 4096:
+                _message_indices.clear()
+            _message_indices[key] = index
+    return index
 
 
 _host_codes: dict[tuple[int, ...], torch.Tensor] = {}
