@@ -118,9 +118,9 @@ _NO_LAUNCH = {"aten::" + name for name in (
 
 def device_launches(call, no_ops: NoOpKernels) -> int:
     """How many kernels one ``call`` would launch on a device: its backend launchers (each counted
-    once, though a launcher may launch a second kernel such as a merge) and its computing torch
-    ops (from the profiler: the outermost aten op that is not a view, an allocation or a host
-    scalar; a copy inside ``to`` or ``clone`` counts, a reduction's inner steps do not)."""
+    once, though a launcher may launch more: a merge, the MoE routing's three) and its computing
+    torch ops (from the profiler: the outermost aten op that is not a view, an allocation or a
+    host scalar; a copy inside ``to`` or ``clone`` counts, a reduction's inner steps do not)."""
     calls = no_ops.calls
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call()
