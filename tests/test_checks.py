@@ -497,3 +497,18 @@ def test_device_conv_lengths_check_agrees_with_the_torch_checks(lengths, dtype):
         results.append((safe, bad, _failed_messages()))
     (want, want_bad, want_failed), (got, got_bad, got_failed) = results
     assert torch.equal(got, want) and torch.equal(got_bad, want_bad) and got_failed == want_failed
+
+
+def test_the_triton_backend_has_every_one_launch_check():
+    """The agreement tests above compare the torch-op checks (backend None) with the Triton
+    backend's: they would compare the torch ops with themselves if a name lost its registration."""
+    from torch_kernels import backends
+    from torch_kernels.ops import paged_attention as paged
+    from torch_kernels.ops.moe import _common
+
+    names = (paged.BATCH_CHECK, _checks.OFFSETS_CHECK, _checks.INDICES_CHECK, _checks.SCALES_CHECK,
+             _checks.NOT_POSITIVE_CHECK, _checks.LENGTHS_CHECK, _common.SORT_BY_EXPERT)
+    assert all(backends.helper(name, "triton") is not None for name in names)
+    assert all(backends.helper(name, backend) is None for name in names for backend in ("reference", None))
+    checks = _checks.ValueChecks(torch.device("cpu"), "full", "triton")
+    assert checks.device_check(_checks.OFFSETS_CHECK, ("x",)) is None  # full mode: the torch ops, read at once

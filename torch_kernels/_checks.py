@@ -137,8 +137,8 @@ def packed_offsets(name: str, offsets: torch.Tensor, total: int, total_what: str
     and None in full mode; in deferred mode :func:`safe_offsets` and a 0-dim flag set when a check
     failed (the outputs are then all NaN: the sequences' rows cannot be told apart)."""
     messages = _offsets_messages(name, total_what)
-    if checks.deferred and (device_check := backends.helper(OFFSETS_CHECK, checks.backend)) is not None:
-        return device_check(offsets, total, message_codes(offsets.device, messages), error_word(offsets.device))
+    if (device_check := checks.device_check(OFFSETS_CHECK, messages)) is not None:
+        return device_check(offsets, total)
     starts_off, ends_off = offsets[0] != 0, offsets[-1] != total
     decreasing = offsets[1:] < offsets[:-1]
     checks.add(starts_off, messages[0], lambda: f"got {int(offsets[0])}")
@@ -159,10 +159,9 @@ def state_rows(name: str, rows: torch.Tensor, state_name: str, num_rows: int,
     the planned backend (``INDICES_CHECK``) the rows come back as int32 already, saturated and the
     int32 range checked, as :func:`int32_values` would give them."""
     messages = _rows_messages(name, state_name, num_rows)
-    if checks.deferred and (device_check := backends.helper(INDICES_CHECK, checks.backend)) is not None:
+    if (device_check := checks.device_check(INDICES_CHECK, messages)) is not None:
         # int32 rows straight away: the int32 range check the kernels need is in the launch too
-        return device_check(rows, num_rows, message_codes(rows.device, messages), error_word(rows.device),
-                            only_minus_one_pads=False, with_bad=True, narrow=True)
+        return device_check(rows, num_rows, only_minus_one_pads=False, with_bad=True, narrow=True)
     past = rows >= num_rows
     ordered = rows.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
@@ -339,6 +338,15 @@ class ValueChecks:
         self._flags: list[torch.Tensor] = []
         self._messages: list[str] = []
         self._details: list = []
+
+    def device_check(self, name: str, messages: tuple[str, ...]) -> Callable | None:
+        """In deferred mode, the planned backend's one-launch check ``name`` (``backends.helper``)
+        with the error word and its entries for ``messages`` bound (``codes=``, ``word=``): call it
+        with the check's own arguments. None in full mode or where the backend has none: the
+        checks then run as torch ops through :meth:`add`."""
+        if not self.deferred or (check := backends.helper(name, self.backend)) is None:
+            return None
+        return functools.partial(check, codes=message_codes(self.device, messages), word=error_word(self.device))
 
     def add(self, bad: torch.Tensor, message: str, detail: Callable[[], str] | None = None) -> torch.Tensor:
         """Record one check; returns ``bad`` reduced to one flag (True: it failed)."""

@@ -133,13 +133,10 @@ def check_update_values(conv_state, cache_seqlens, conv_state_indices,
                                                              conv_state.shape[0], checks)
     if cache_seqlens is not None:
         message = "cache_seqlens: expected lengths >= 0"
-        device_check = backends.helper(_checks.LENGTHS_CHECK, checks.backend) if checks.deferred else None
+        device_check = checks.device_check(_checks.LENGTHS_CHECK, (message, _checks.int32_message("cache_seqlens")))
         bad_lengths = None
         if device_check is not None:  # int32 lengths straight away, their int32 range checked there too
-            device = cache_seqlens.device
-            cache_seqlens, bad_lengths = device_check(
-                cache_seqlens, _checks.message_codes(device, (message, _checks.int32_message("cache_seqlens"))),
-                _checks.error_word(device))
+            cache_seqlens, bad_lengths = device_check(cache_seqlens)
         else:
             negative = cache_seqlens < 0
             checks.add(negative, message, lambda: f"got {cache_seqlens.tolist()}")

@@ -172,8 +172,8 @@ def check_values(cu_seqlens, length: int, g, checks: _checks.ValueChecks | None 
     checks = checks or _checks.ValueChecks((cu_seqlens if g is None else g).device, "full")
     if g is not None:
         message = "g: expected log decays <= 0 (exp(g) scales the state down)"
-        if checks.deferred and (device_check := backends.helper(_checks.NOT_POSITIVE_CHECK, checks.backend)):
-            device_check(g, _checks.message_codes(g.device, (message,)), _checks.error_word(g.device))
+        if (device_check := checks.device_check(_checks.NOT_POSITIVE_CHECK, (message,))) is not None:
+            device_check(g)
         else:
             positive = g > 0
             checks.add(positive, message,

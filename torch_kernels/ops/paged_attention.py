@@ -176,13 +176,11 @@ def scale_checks(checks: _checks.ValueChecks, **scales) -> dict[str, torch.Tenso
     deferred mode with a bad entry made NaN (so the rows it touches follow the NaN policy): one
     launch each where the planned backend has the shared check (``_checks.SCALES_CHECK``)."""
     safe = {}
-    device_check = backends.helper(_checks.SCALES_CHECK, checks.backend) if checks.deferred else None
     for name, scale in scales.items():
         if scale is not None:
             message = _scale_message(name)
-            if device_check is not None:
-                scale = device_check(scale, _checks.message_codes(scale.device, (message,)),
-                                     _checks.error_word(scale.device))
+            if (device_check := checks.device_check(_checks.SCALES_CHECK, (message,))) is not None:
+                scale = device_check(scale)
             else:
                 bad = ~(torch.isfinite(scale) & (scale > 0))
                 checks.add(bad, message,
@@ -232,9 +230,8 @@ def check_slots(slot_mapping, key_cache, checks: _checks.ValueChecks | None = No
     checks = checks or _checks.ValueChecks(slot_mapping.device, "full")
     capacity = key_cache.shape[0] * key_cache.shape[1]
     messages = _slots_messages(capacity)
-    if checks.deferred and (device_check := backends.helper(_checks.INDICES_CHECK, checks.backend)) is not None:
-        return device_check(slot_mapping, capacity, _checks.message_codes(slot_mapping.device, messages),
-                            _checks.error_word(slot_mapping.device), only_minus_one_pads=True, with_bad=False)[0]
+    if (device_check := checks.device_check(_checks.INDICES_CHECK, messages)) is not None:
+        return device_check(slot_mapping, capacity, only_minus_one_pads=True, with_bad=False)[0]
     out_of_range = (slot_mapping < -1) | (slot_mapping >= capacity)
     ordered = torch.where(slot_mapping >= 0, slot_mapping, -1).sort().values
     shared = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
@@ -264,9 +261,8 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     num_blocks, block_size = key_cache.shape[:2]
     num_seqs, max_blocks = block_table.shape
     messages = _lengths_messages(num_tokens, num_blocks, block_size, max_blocks)
-    if checks.deferred and (device_check := backends.helper(BATCH_CHECK, checks.backend)) is not None:
-        return device_check(cu_q_lens, kv_lens, block_table, num_tokens, num_blocks, block_size,
-                            _checks.message_codes(cu_q_lens.device, messages), _checks.error_word(cu_q_lens.device))
+    if (device_check := checks.device_check(BATCH_CHECK, messages)) is not None:
+        return device_check(cu_q_lens, kv_lens, block_table, num_tokens, num_blocks, block_size)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pages = (kv_lens.long() + block_size - 1) // block_size
     used = torch.arange(max_blocks, device=block_table.device) < pages[:, None]

@@ -160,10 +160,9 @@ def check_ids_range(topk_ids, num_experts: int, checks: _checks.ValueChecks | No
     own = checks is None
     checks = checks or _checks.ValueChecks(topk_ids.device, "full")
     message = _ids_message(num_experts)
-    if checks.deferred and (device_check := backends.helper(_checks.INDICES_CHECK, checks.backend)) is not None:
-        device = topk_ids.device
-        routed, _ = device_check(topk_ids.reshape(-1), num_experts, _checks.message_codes(device, (message,)),
-                                 _checks.error_word(device), only_minus_one_pads=True, with_bad=False, unique=False)
+    if (device_check := checks.device_check(_checks.INDICES_CHECK, (message,))) is not None:
+        routed, _ = device_check(topk_ids.reshape(-1), num_experts, only_minus_one_pads=True, with_bad=False,
+                                 unique=False)
         return routed.view(topk_ids.shape)
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
     checks.add(bad, message, lambda: f"got {int(topk_ids[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")

@@ -53,9 +53,8 @@ def check_offsets(offsets, rows: int, checks: _checks.ValueChecks | None = None)
     own = checks is None
     checks = checks or _checks.ValueChecks(offsets.device, "full")
     messages = _offsets_messages(rows)
-    if checks.deferred and (device_check := backends.helper(_checks.OFFSETS_CHECK, checks.backend)) is not None:
-        return device_check(offsets, rows, _checks.message_codes(offsets.device, messages),
-                            _checks.error_word(offsets.device), ends=True)
+    if (device_check := checks.device_check(_checks.OFFSETS_CHECK, messages)) is not None:
+        return device_check(offsets, rows, ends=True)
     decreasing = offsets[1:] < offsets[:-1]
     failed = [
         checks.add(offsets[0] < 0, messages[0], lambda: f"got {int(offsets[0])} first"),
