@@ -176,10 +176,9 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
 
     ``query [T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``; returns ``[T, Hq, D]`` in
     query's dtype. With ``key`` given, the new tokens are first written to the caches (in place),
-    as ``reshape_and_cache`` does. ``layout`` overrides ``default_layout``. A given ``out`` (query's
-    shape and dtype) receives the result, copied from the kernel's USM buffer, and is returned.
+    as ``reshape_and_cache`` does. ``layout`` overrides ``default_layout``. ``out`` is not written:
+    the result is a new tensor, which the op copies into it.
     """
-    into = out
     _supported(query.dtype, key_cache, query, value_cache, cu_q_lens, kv_lens, block_table,
                k_scale, v_scale, key, value, slot_mapping)
     if soft_cap is not None and not 1e-37 < soft_cap < 1e37:
@@ -191,7 +190,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     macros = _macros(query.dtype, key_cache.dtype, head_size)
     out_mem, out = _runtime.usm_empty(tuple(query.shape), query.dtype)
     if num_tokens == 0 or num_seqs == 0:
-        return out.zero_() if into is None else into.zero_()
+        return out.zero_()
 
     caches = device_caches(key_cache, value_cache)
     write = None
@@ -228,7 +227,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         blocks, offsets = _slot_index(key_cache, slot_mapping[slot_mapping >= 0])
         for cache, written in zip((key_cache, value_cache), caches):
             _bytes(cache)[blocks, offsets] = _bytes(written.view)[blocks, offsets]
-    return out if into is None else into.copy_(out)
+    return out
 
 
 def spirv_binaries() -> list[bytes]:

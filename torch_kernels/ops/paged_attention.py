@@ -423,7 +423,8 @@ def _check_out_apart(out, **inputs) -> None:
 def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window, soft_cap,
                k_scale, v_scale, key, value, slot_mapping, implementation, out):
     """Both ops' kernel: checks, then the backend, whose result goes to ``out`` where given (a
-    contiguous ``out`` is written by the backend itself)."""
+    contiguous ``out`` is offered to the backend, which may write it itself, as the Triton and
+    reference kernels do; else the result is copied into it here)."""
     check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale, sliding_window,
                  soft_cap, k_scale, v_scale, key, value, slot_mapping)
     if out is not None:

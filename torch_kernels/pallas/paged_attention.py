@@ -54,7 +54,7 @@ def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_l
     check_cache_dtype(key_cache)
     from jax_impl import paged_attention
 
-    into = out  # JAX arrays are new ones: the result is copied into a given out
+    # ``out`` is not written: JAX arrays are new ones, and the op copies the result into it
     new = None if key is None else (to_jax(key), to_jax(value), to_jax(_slots(slot_mapping)))
     attended, new_k, new_v = paged_attention.ragged_paged_attention(
         *map(to_jax, (query, key_cache, value_cache, cu_q_lens, kv_lens, block_table)), sm_scale,
@@ -62,7 +62,7 @@ def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_l
     if new is not None:
         _store_slots(key_cache, new_k, slot_mapping)
         _store_slots(value_cache, new_v, slot_mapping)
-    return to_torch(attended) if into is None else into.copy_(to_torch(attended))
+    return to_torch(attended)
 
 
 def torchax_implementations() -> dict:
