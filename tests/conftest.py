@@ -67,6 +67,7 @@ def pytest_configure(config):
                    "default); TORCH_KERNELS_FULL_MATRIX=1 runs every combination")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups (else the model loads in each worker)
 def pytest_collection_modifyitems(items):
     # with --dist loadgroup, tests of one xdist group share a worker: SmolLM2 is loaded once
     for item in items:

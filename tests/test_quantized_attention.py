@@ -376,8 +376,10 @@ def test_varlen_equals_per_sequence_calls(backend):
             alone, alone_lse = torch_kernels.quantized_attention(
                 q[:, rows], k[:, keys], v[:, keys], causal=causal, layout="NHD", granularity=granularity,
                 pv_dtype=pv_dtype, return_lse=True, implementation=backend)
-            torch.testing.assert_close(out[:, rows], alone, rtol=0, atol=0)
-            torch.testing.assert_close(lse[:, :, rows], alone_lse, rtol=0, atol=0)
+            # one rounding apart at most: where the interpreter's blocks follow the row count the
+            # packed launch's tiles are taller, so a float32 sum may round differently once
+            torch.testing.assert_close(out[:, rows], alone, rtol=2**-10, atol=2**-24)
+            torch.testing.assert_close(lse[:, :, rows], alone_lse, rtol=2**-22, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

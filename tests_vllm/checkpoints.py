@@ -1,7 +1,7 @@
 """Hugging Face checkpoints for the vLLM tests and benchmark, made once and cached.
 
-vLLM cannot read the packaged SmolLM2 GGUF file, so :func:`smollm2_hf` loads it with
-transformers (dequantized to float32) and saves it as a plain Llama folder; :func:`tiny_moe`
+vLLM cannot read the packaged SmolLM2 GGUF file, so :func:`smollm2_hf` is the plain float32 Llama
+folder ``torch_kernels.models`` keeps of it; :func:`tiny_moe`
 saves a small random-weight Qwen3-MoE and :func:`tiny_deepseek_v3` a small random-weight DeepSeek-V3
 (multi-head latent attention), both with SmolLM2's tokenizer. All live beside the GGUF file in
 ``$TORCH_KERNELS_CACHE/models`` (default ``~/.cache/torch_kernels/models``), outside the work
@@ -10,52 +10,18 @@ tree, and are written to a temporary folder first, so a reader never sees half a
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
-import tempfile
 
 from torch_kernels import models
 
-SMOLLM2_DIR = "SmolLM2-135M-Instruct-hf"
 TINY_MOE_DIR = "tiny-qwen3-moe-random"
 TINY_DEEPSEEK_V3_DIR = "tiny-deepseek-v3-random"
 
 
-def _cached(name: str, make) -> pathlib.Path:
-    target = models.default_path().parent / name
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
-        make(partial)
-        os.replace(partial, target)  # atomic; if another process won the race, keep theirs
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
-
-
 def smollm2_hf() -> pathlib.Path:
-    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (about 540 MB; about 20 s once)."""
-
-    def make(folder: pathlib.Path) -> None:
-        import torch
-        from transformers import LlamaForCausalLM
-
-        gguf_model, tokenizer = models.load_smollm2(dtype=torch.float32)
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are dequantized now
-        model = LlamaForCausalLM(config).eval()
-        model.load_state_dict(gguf_model.state_dict())
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
-    return _cached(SMOLLM2_DIR, make)
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (about 540 MB; made once, by
+    whichever of the test runs loads it first: ``torch_kernels.models.hf_folder``)."""
+    return models.hf_folder()
 
 
 def tiny_moe() -> pathlib.Path:
@@ -79,7 +45,7 @@ def tiny_moe() -> pathlib.Path:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _cached(TINY_MOE_DIR, make)
+    return models.cached_folder(TINY_MOE_DIR, make)
 
 
 def tiny_deepseek_v3() -> pathlib.Path:
@@ -110,4 +76,4 @@ def tiny_deepseek_v3() -> pathlib.Path:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _cached(TINY_DEEPSEEK_V3_DIR, make)
+    return models.cached_folder(TINY_DEEPSEEK_V3_DIR, make)

