@@ -171,13 +171,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
-                           layout: Layout | None = None, out: torch.Tensor | None = None):
+                           layout: Layout | None = None, out: torch.Tensor | None = None,
+                           bad_rows: torch.Tensor | None = None):
     """Attention of each sequence's new query tokens over its paged keys and values.
 
     ``query [T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``; returns ``[T, Hq, D]`` in
     query's dtype. With ``key`` given, the new tokens are first written to the caches (in place),
     as ``reshape_and_cache`` does. ``layout`` overrides ``default_layout``. ``out`` is not written:
-    the result is a new tensor, which the op copies into it.
+    the result is a new tensor, which the op copies into it. ``bad_rows``: the rows to make NaN
+    (the contract's).
     """
     _supported(query.dtype, key_cache, query, value_cache, cu_q_lens, kv_lens, block_table,
                k_scale, v_scale, key, value, slot_mapping)
@@ -190,7 +192,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     macros = _macros(query.dtype, key_cache.dtype, head_size)
     out_mem, out = _runtime.usm_empty(tuple(query.shape), query.dtype)
     if num_tokens == 0 or num_seqs == 0:
-        return out.zero_()
+        return _nan_rows(out.zero_(), bad_rows)
 
     caches = device_caches(key_cache, value_cache)
     write = None
@@ -227,7 +229,12 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         blocks, offsets = _slot_index(key_cache, slot_mapping[slot_mapping >= 0])
         for cache, written in zip((key_cache, value_cache), caches):
             _bytes(cache)[blocks, offsets] = _bytes(written.view)[blocks, offsets]
-    return out
+    return _nan_rows(out, bad_rows)
+
+
+def _nan_rows(out: torch.Tensor, bad_rows: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with the rows ``bad_rows`` marks NaN, in place (the deferred checks' bad sequences)."""
+    return out if bad_rows is None else out.masked_fill_(bad_rows[:, None, None], torch.nan)
 
 
 def spirv_binaries() -> list[bytes]:

@@ -165,6 +165,27 @@ def test_deferred_paged_attention_makes_bad_lengths_safe(backend):
                 assert torch.isnan(rows).all() if s in nan_seqs else torch.isfinite(rows).all()
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_attention_makes_the_bad_rows_nan_in_its_kernel(splits):
+    """The Triton kernel takes the deferred checks' ``bad_rows`` itself (no fill launch after it):
+    exactly those rows come out NaN, with and without a split key range (whose merge keeps them
+    NaN), and every other row equals the call without them."""
+    require_backend("triton")
+    from triton_impl import paged_attention as kernels
+
+    batch = _paged_batch(torch.Generator().manual_seed(4))
+    args = [batch[name] for name in ("query", "key_cache", "value_cache", "cu_q_lens", "kv_lens", "block_table")]
+    heads = batch["key_cache"].shape[2]
+    args += [batch["sm_scale"], None, None, torch.ones(heads), torch.ones(heads), None, None, None]
+    config = kernels.Config(block_q=4, block_n=16, num_splits=splits, num_warps=4, num_stages=1)
+    bad_rows = torch.zeros(batch["query"].shape[0], dtype=torch.bool)
+    bad_rows[[0, 3, 4]] = True  # a decode's row and two rows of a prompt
+    want = kernels.ragged_paged_attention(*args, config=config)
+    got = kernels.ragged_paged_attention(*args, config=config, bad_rows=bad_rows)
+    assert torch.isnan(got[bad_rows]).all()
+    assert torch.equal(got[~bad_rows], want[~bad_rows]) and torch.isfinite(want).all()
+
+
 def test_deferred_fused_write_reads_nothing_on_the_host():
     """The attention with its cache write (key, value, slot_mapping) on the Triton backend: no
     host read in deferred mode (the write runs first rather than deciding to fuse by reading the
@@ -254,7 +275,8 @@ def test_device_lengths_check_agrees_with_the_torch_checks(batch):
     """The Triton backend's one-launch deferred check of a paged batch (``check_batch_kernel``)
     against the same checks as torch ops: the same failed messages in the error word, the same
     ``bad_rows``; with offsets that hold, the same safe lengths and block table too (with bad
-    offsets every row is NaN either way, and the launch leaves every sequence empty)."""
+    offsets every row is NaN either way, and the launch gives every row to sequence 0 over page 0,
+    so that a kernel still writes each row)."""
     require_backend("triton")
     from torch_kernels.ops import paged_attention as paged
 
@@ -270,7 +292,9 @@ def test_device_lengths_check_agrees_with_the_torch_checks(batch):
         for name, g, w in zip(("cu_q_lens", "kv_lens", "block_table"), got[:3], want[:3]):
             assert torch.equal(g, w.to(g.dtype)), name
     else:
-        assert not got[0].any() and not got[1].any()
+        rows, seqs = query.shape[0], kv.shape[0]
+        assert got[0].tolist() == [0] + [rows] * seqs and got[1].tolist() == [rows] + [0] * (seqs - 1)
+        assert not got[2].any()
     passes = batch[0].endswith(("good", "past the used ones"))  # a page no sequence reads may be anything
     assert passes == (not want_failed)
 
@@ -512,3 +536,48 @@ def test_the_triton_backend_has_every_one_launch_check():
     assert all(backends.helper(name, backend) is None for name in names for backend in ("reference", None))
     checks = _checks.ValueChecks(torch.device("cpu"), "full", "triton")
     assert checks.device_check(_checks.OFFSETS_CHECK, ("x",)) is None  # full mode: the torch ops, read at once
+
+
+def test_a_layout_remembered_check_skips_only_what_passed():
+    """``_checks.remembers_layouts``: a metadata check runs once per layout that passes; a call
+    differing in any tensor's dtype, shape, strides or device, or in a plain value or its type
+    (``True`` is not ``1``), runs it again; a failing call is not remembered; arguments of other
+    kinds (lists) run it every time."""
+    calls = []
+
+    @_checks.remembers_layouts
+    def check(x, size, flag=None):
+        calls.append(1)
+        if x.shape[0] != size or flag is True:
+            raise ValueError("x: bad")
+        return x.dim()
+
+    x = torch.zeros(4, 3)
+    assert check(x, 4) == 2 and check(torch.ones(4, 3), 4) == 2 and len(calls) == 1
+    for other in ((torch.zeros(5, 3), 5), (x, 4.0), (x.t().contiguous().t(), 4), (x.double(), 4)):
+        check(*other)  # shape, a value's type, strides, dtype: each checked
+    with pytest.raises(ValueError):
+        check(x, 4, flag=True)
+    check(x, 4, flag=1)
+    with pytest.raises(ValueError):
+        check(torch.zeros(5, 3), 5, flag=True)
+    with pytest.raises(ValueError):  # failed before: checked again, fails again
+        check(torch.zeros(5, 3), 5, flag=True)
+    assert len(calls) == 9
+    calls.clear()
+    check(x, 4, flag=[1])
+    check(x, 4, flag=[1])
+    assert len(calls) == 2
+
+
+def test_the_paged_shape_checks_still_refuse_a_new_bad_layout():
+    """After a call that passed, a cache view whose entries overlap (same shape, other strides)
+    still raises: the remembered layout keys on the strides."""
+    from torch_kernels.ops.paged_attention import paged_attention_inputs
+
+    query, key_cache, value_cache, cu, kv, table, scale = paged_attention_inputs(torch.Generator().manual_seed(0),
+                                                                                  torch.float32, "cpu")
+    torch_kernels.ragged_paged_attention(query, key_cache, value_cache, cu, kv, table, scale)
+    shared = key_cache[:1].expand_as(key_cache)  # every block the same memory
+    with pytest.raises(ValueError, match="^key_cache: expected a stride-1 last dimension and no two entries"):
+        torch_kernels.ragged_paged_attention(query, shared, value_cache, cu, kv, table, scale)

@@ -68,6 +68,56 @@ def written_in_place(name: str, value: torch.Tensor) -> None:
                          f"{value.stride()} for shape {tuple(value.shape)}")
 
 
+# what a layout-remembered check may take besides tensors: plain values, compared by type and value
+_PLAIN = (int, float, bool, str, type(None), torch.dtype)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exactly these: fake and torchax tensors are checked each time
+
+
+def _layout_key(values) -> tuple | None:
+    """What a metadata check can see of ``values``: each tensor's dtype, shape, strides and device,
+    each plain value's type and value; None where a value is neither (the check then runs)."""
+    key = []
+    for value in values:
+        kind = type(value)
+        if kind in _TENSORS:
+            key.append((value.dtype, value.shape, value.stride(), value.device))
+        elif kind in _PLAIN:
+            key.append((kind, value))  # the type too: True and 1 are equal keys, not equal arguments
+        elif kind is tuple and all(type(item) in _PLAIN for item in value):
+            key.append((kind, tuple((type(item), item) for item in value)))
+        else:
+            return None
+    return tuple(key)
+
+
+def remembers_layouts(check: Callable) -> Callable:
+    """``check``, a host check of its arguments' metadata only (types, dtypes, shapes, strides,
+    devices and plain values; never tensor data or addresses), skipped for arguments whose
+    metadata equal those of a call that passed, whose result it returns: a model calls each op with
+    a few layouts, and the checks were a third of an op's host time. A call that raises is not
+    remembered; arguments of any other kind (fake tensors while compiling, lists) are checked each
+    time. At most 1024 layouts a check are kept."""
+    passed: dict[tuple, object] = {}
+
+    @functools.wraps(check)
+    def remembered(*args, **kwargs):
+        key = _layout_key(args)
+        if key is not None and kwargs:
+            named = _layout_key(kwargs.values())
+            key = None if named is None else (key, tuple(kwargs), named)
+        if key is None:
+            return check(*args, **kwargs)
+        if key in passed:
+            return passed[key]
+        result = check(*args, **kwargs)
+        if len(passed) >= 1024:
+            passed.clear()
+        passed[key] = result
+        return result
+
+    return remembered
+
+
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 

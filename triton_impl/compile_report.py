@@ -232,15 +232,19 @@ _NARROW_TF32_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\
 def build_key(build: Build, arch: int) -> str:
     """What a build's report row stands for: a hash of the kernel's source with every jitted
     function and constexpr global it uses (Triton's ``cache_key``), the build's arguments, the
-    target, the Triton version, and the source of this module and of the package's ``__init__``
-    (``compile_for``, ``resource_usage``). Two builds with one key compile to the same binary with
-    the same analysis, so a committed row with this key is what compiling it again would give."""
+    target, the Triton version, and the source of this module and of the package's ``compile_for``
+    and ``resource_usage`` (not the rest of the package's ``__init__``: how CPU tensors are
+    interpreted builds nothing). Two builds with one key compile to the same binary with the same
+    analysis, so a committed row with this key is what compiling it again would give."""
     import hashlib
     import inspect
 
     import triton
 
-    sources = [inspect.getsource(importlib.import_module(name)) for name in (__package__, __name__)]
+    from . import compile_for, resource_usage
+
+    sources = [inspect.getsource(compile_for), inspect.getsource(resource_usage),
+               inspect.getsource(importlib.import_module(__name__))]
     parts = (triton.__version__, build.kernel.cache_key, repr(build.key()[1:]), arch, *sources)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 

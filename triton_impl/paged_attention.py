@@ -294,16 +294,18 @@ def _attend_tiles(q, q_ptrs, q_mask, q_pos, row_bad, seq, context, q_begin, kv_l
 @triton.jit
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, cu_q_lens_ptr, kv_lens_ptr, block_table_ptr,
-    k_scale_ptr, v_scale_ptr, key_ptr, value_ptr, slot_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+    k_scale_ptr, v_scale_ptr, key_ptr, value_ptr, slot_ptr, bad_rows_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     sm_scale, soft_cap, sliding_window, num_seqs, num_tokens, block_table_stride,
     k_block_stride, k_slot_stride, k_head_stride, v_block_stride, v_slot_stride, v_head_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     FUSED: tl.constexpr, CACHE_KIND: tl.constexpr, DOT_F32: tl.constexpr, FIX_FP8_SPECIALS: tl.constexpr,
+    HAS_BAD_ROWS: tl.constexpr,
 ):
     """Attention of one (query block, kv head, key split); see the module docstring. The caches'
-    strides are in elements (their last dimension's is 1)."""
+    strides are in elements (their last dimension's is 1). With ``HAS_BAD_ROWS`` the tokens marked
+    in ``bad_rows_ptr`` (the deferred checks' bad sequences) end as NaN rows."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -378,6 +380,8 @@ def paged_attention_kernel(
 
         out_rows = token.to(tl.int64)[:, None] * HQ + head[:, None]
         mask = row_ok[:, None] & d_ok[None, :]
+        if HAS_BAD_ROWS:  # read here, not held through the tiles (at head size 256 that spilled)
+            row_bad = row_bad | (tl.load(bad_rows_ptr + token, mask=row_ok, other=0) != 0)
         normalized = acc * v_scale / tl.maximum(row_sum, 1e-30)[:, None]
         normalized = tl.where(row_bad[:, None], float("nan"), normalized)
         if NUM_SPLITS == 1:
@@ -469,12 +473,14 @@ def check_batch_kernel(cu_ptr, kv_ptr, table_ptr, table_stride, codes_ptr, word_
     record(word_ptr, codes_ptr, 5, tl.sum(too_long.to(tl.int32), axis=0))
     record(word_ptr, codes_ptr, 6, tl.sum(bad_pages, axis=0))
 
-    # safe inputs: bad offsets leave every sequence empty (all rows NaN); a bad sequence attends to
-    # its own new rows over page 0; every page id kept is inside the cache
-    tl.store(safe_cu_ptr + seqs, tl.where(offsets_bad, 0, begin), mask=ok)
+    # safe inputs: a bad sequence attends to its own new rows over page 0, and bad offsets give every
+    # row to sequence 0 (so a kernel still writes each row, NaN); every page id kept is inside the cache
+    first_seq = seqs == 0
+    tl.store(safe_cu_ptr + seqs, tl.where(offsets_bad, tl.where(first_seq, 0, num_tokens), begin), mask=ok)
     if pid == 0:
-        tl.store(safe_cu_ptr + num_seqs, tl.where(offsets_bad, 0, last))
-    tl.store(safe_kv_ptr + seqs, tl.where(offsets_bad, 0, tl.where(seq_bad, q_len, kv)).to(tl.int32), mask=ok)
+        tl.store(safe_cu_ptr + num_seqs, num_tokens)
+    safe_kv = tl.where(offsets_bad, tl.where(first_seq, num_tokens, 0), tl.where(seq_bad, q_len, kv))
+    tl.store(safe_kv_ptr + seqs, safe_kv.to(tl.int32), mask=ok)
     for col0 in range(0, width, PAGES):
         cols = col0 + tl.arange(0, PAGES)
         inside = ok[:, None] & (cols[None, :] < max_blocks)
@@ -509,8 +515,8 @@ def check_batch(cu_q_lens, kv_lens, block_table, num_tokens: int, num_blocks: in
     """A paged batch's deferred value checks in one launch, recorded in ``word`` (int32 counts) at
     ``codes`` (int64 ``[7]``, in the order of ``torch_kernels.ops.paged_attention.check_lengths``'s
     messages), no host read. Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` made safe as
-    that function's deferred mode says, except that bad offsets leave every sequence empty (their
-    rows are all in ``bad_rows`` either way)."""
+    that function's deferred mode says, except that bad offsets give every row to sequence 0 (they
+    are all in ``bad_rows`` either way)."""
     num_seqs, max_blocks = block_table.shape
     width = max(max_blocks, -(-num_tokens // block_size))  # pages enough for a bad sequence's own rows
     device = cu_q_lens.device
@@ -601,9 +607,11 @@ def config_space(num_tokens: int, num_seqs: int, group: int, head_size: int, max
 
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                            sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping,
-                           config: Config | None = None, out: torch.Tensor | None = None):
+                           config: Config | None = None, out: torch.Tensor | None = None,
+                           bad_rows: torch.Tensor | None = None):
     """The attention kernel (and merge) on CUDA/XPU tensors, or interpreted on CPU tensors;
-    written into ``out`` (contiguous, query's shape and dtype) where given.
+    written into ``out`` (contiguous, query's shape and dtype) where given; the rows ``bad_rows``
+    marks (bool ``[T]``) made NaN in the kernel.
 
     Contract: ``torch_kernels.reference.paged_attention.ragged_paged_attention``. float32 queries
     multiply in float32 (tf32x3); float16/bfloat16 in their own dtype; float32 accumulation.
@@ -617,8 +625,8 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     if key is not None and not fused:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     out = torch.empty_like(query) if out is None else out
-    if num_tokens == 0 or num_seqs == 0:
-        return out
+    if num_tokens == 0 or num_seqs == 0:  # no sequence owns a row (with none, every row is bad)
+        return out if bad_rows is None else out.masked_fill_(bad_rows[:, None, None], float("nan"))
     group = num_q_heads // num_kv_heads
     sizes = (num_tokens, num_seqs, group, head_size, block_table.shape[1] * block_size, num_kv_heads,
              _sm_count(query.device), arch_of(query.device), key_cache.dtype)
@@ -641,7 +649,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     kernel = for_device(paged_attention_kernel, query.device)
     kernel[grid](
         query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, k_scale, v_scale, key, value,
-        slot_mapping, out, partial_out, partial_lse,
+        slot_mapping, out if bad_rows is None else bad_rows, out, partial_out, partial_lse,
         sm_scale, 1.0 if soft_cap is None else soft_cap, 0 if sliding_window is None else sliding_window,
         num_seqs, num_tokens, block_table.stride(0), *cache_strides(key_cache), *cache_strides(value_cache),
         HQ=num_q_heads, HKV=num_kv_heads, G=group, GP=triton.next_power_of_2(group), D=head_size,
@@ -649,7 +657,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_SOFT_CAP=soft_cap is not None,
         HAS_WINDOW=sliding_window is not None, FUSED=fused, CACHE_KIND=cache_kind,
         DOT_F32=_dot_in_float32(query.dtype, query.device.type == "cpu"),
-        FIX_FP8_SPECIALS=query.device.type == "cpu" and cache_kind == 2,
+        FIX_FP8_SPECIALS=query.device.type == "cpu" and cache_kind == 2, HAS_BAD_ROWS=bad_rows is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -690,7 +698,8 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
     signature = {
         "q_ptr": q, "key_cache_ptr": cache, "value_cache_ptr": cache, "cu_q_lens_ptr": "*i32",
         "kv_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-        "key_ptr": q, "value_ptr": q, "slot_ptr": "*i64", "out_ptr": q, "partial_out_ptr": "*fp32",
+        "key_ptr": q, "value_ptr": q, "slot_ptr": "*i64", "bad_rows_ptr": "*i1", "out_ptr": q,
+        "partial_out_ptr": "*fp32",
         "partial_lse_ptr": "*fp32", "sm_scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32",
         "num_seqs": "i32", "num_tokens": "i32", "block_table_stride": "i32", **_STRIDE_SIGNATURE,
     }
@@ -699,7 +708,7 @@ def compile_targets(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_siz
         "DP": triton.next_power_of_2(head_size), "BLOCK_SIZE": block_size, "BLOCK_Q": config.block_q,
         "BLOCK_N": config.block_n, "NUM_SPLITS": config.num_splits, "HAS_SOFT_CAP": True, "HAS_WINDOW": True,
         "FUSED": fused, "CACHE_KIND": _CACHE_KINDS[cache_dtype], "DOT_F32": _dot_in_float32(query_dtype, False),
-        "FIX_FP8_SPECIALS": False,
+        "FIX_FP8_SPECIALS": False, "HAS_BAD_ROWS": True,  # deferred checks: an accelerator's default
     }
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs, config

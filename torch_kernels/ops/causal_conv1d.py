@@ -68,6 +68,7 @@ def check_filter(weight, bias, dim: int) -> int:
     return width
 
 
+@_checks.remembers_layouts
 def check_inputs(x, weight, bias, seq_idx, initial_states, activation) -> None:
     """Shapes, dtypes and devices of a ``causal_conv1d_fn`` call (no data read)."""
     _checks.tensor("x", x, ndim=3, dtypes=_checks.FLOAT_DTYPES)
@@ -90,6 +91,7 @@ def check_inputs(x, weight, bias, seq_idx, initial_states, activation) -> None:
     _checks.same_device(x=x, weight=weight, **present)
 
 
+@_checks.remembers_layouts
 def check_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices) -> None:
     """Shapes, dtypes and devices of a ``causal_conv1d_update`` call (no data read)."""
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)

@@ -105,6 +105,7 @@ backends.register(RECURRENT_KDA, "sycl", "oneapi_impl.linear_attention:recurrent
 backends.register("fused_recurrent_kda_backward", "sycl", "oneapi_impl.linear_attention:recurrent_backward")
 del _op, _backward
 
+@_checks.remembers_layouts
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, needs_beta: bool, grouped: bool,
                  per_channel: bool = False) -> None:
     """Shapes, dtypes, devices and the scale (no data read); ``per_channel``: ``g`` has a decay

@@ -90,6 +90,7 @@ def check_dt_limit(dt_limit) -> tuple[float, float]:
     return low, high
 
 
+@_checks.remembers_layouts
 def check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens) -> None:
     """Shapes, dtypes and devices of a ``mamba_chunk_scan_combined`` call (no data read)."""
     _checks.tensor("x", x, ndim=4, dtypes=_checks.FLOAT_DTYPES)
@@ -148,6 +149,7 @@ def _per_channel(name: str, t, heads: int, headdim: int):
     return t
 
 
+@_checks.remembers_layouts
 def check_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:
     """Shapes, dtypes and devices of a ``selective_state_update`` call (no data read); D and
     dt_bias as ``[H, P]``."""

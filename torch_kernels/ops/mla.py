@@ -70,6 +70,7 @@ def _check_parts(latent_name: str, latent: torch.Tensor, rope_name: str, rope: t
         raise ValueError(f"{rope_name}: expected a RoPE size R >= 1, got shape {tuple(rope.shape)}")
 
 
+@_checks.remembers_layouts
 def check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
     """Shapes, dtypes and devices of a ``mla_reshape_and_cache`` call (no data read)."""
     _checks.tensor("kv_c", kv_c, ndim=2, dtypes=paged.QUERY_DTYPES)
@@ -84,6 +85,7 @@ def check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
                         **({} if scale is None else {"scale": scale}))
 
 
+@_checks.remembers_layouts
 def check_inputs(q_nope, q_pe, kv_cache, cu_q_lens, kv_lens, block_table, sm_scale, topk_indices=None,
                  kv_scale=None) -> None:
     """Shapes, dtypes, devices and scalars of a ``ragged_paged_mla`` call (no data read)."""
@@ -213,6 +215,7 @@ ragged_paged_mla_op = define(
 )
 
 
+@_checks.remembers_layouts
 def check_indexer_inputs(q, k_cache, weights, cu_q_lens, kv_lens, block_table, top_k) -> None:
     """Shapes, dtypes, devices and scalars of an ``indexer_topk`` call (no data read)."""
     _checks.tensor("q", q, ndim=3, dtypes=paged.QUERY_DTYPES)

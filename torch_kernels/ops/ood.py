@@ -238,6 +238,7 @@ backends.register(FITTED_OP, "pallas", "torch_kernels.pallas.ood:pallas_mahalano
 backends.register(FITTED_OP, "sycl", "oneapi_impl.ood:mahalanobis_min")
 
 
+@_checks.remembers_layouts
 def check_fitted_inputs(x, center, whitener, class_proj, class_sq) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit ``mahalanobis_score_fitted``."""
     dtype = reference.compute_dtype(x.dtype)

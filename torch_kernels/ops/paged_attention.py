@@ -100,6 +100,7 @@ def _check_new_tokens(key, value, slot_mapping, num_tokens, key_cache, dtypes) -
     _checks.size("slot_mapping", 0, slot_mapping.shape[0], num_tokens, "tokens")
 
 
+@_checks.remembers_layouts
 def check_write_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Shapes, dtypes and devices of a ``reshape_and_cache`` call (no data read)."""
     _checks.tensor("key", key, ndim=3, dtypes=QUERY_DTYPES)
@@ -115,6 +116,7 @@ def _present(**tensors):
     return {name: t for name, t in tensors.items() if t is not None}
 
 
+@_checks.remembers_layouts
 def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
                  sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, key=None, value=None,
                  slot_mapping=None) -> None:
@@ -149,7 +151,8 @@ def check_inputs(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    kind = type(x)  # float and int first: an ABC's isinstance costs microseconds
+    return kind is float or kind is int or (isinstance(x, numbers.Real) and kind is not bool)
 
 
 def check_scalars(sm_scale, sliding_window=None, soft_cap=None) -> None:
@@ -252,9 +255,10 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     Returns ``(cu_q_lens, kv_lens, block_table, bad_rows)`` for the kernels: as given in full mode
     (``bad_rows`` None); in deferred mode made safe: a sequence with a bad length or page id attends
     to its own new rows over page 0 (the block table widened if its rows could not hold them), and
-    ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN (where the planned backend
-    has its own one-launch check, ``BATCH_CHECK``, the same but that bad offsets leave every
-    sequence empty: all rows NaN either way). Without ``checks``, checks fully now."""
+    ``bad_rows`` ``[T]`` marks the query rows whose output must be NaN (the backends' ``bad_rows``);
+    every row belongs to some sequence (where the planned backend has its own one-launch check,
+    ``BATCH_CHECK``, the same but that bad offsets give every row to sequence 0: all rows NaN
+    either way). Without ``checks``, checks fully now."""
     own = checks is None
     checks = checks or _checks.ValueChecks(cu_q_lens.device, "full")
     num_tokens = query.shape[0]
@@ -302,12 +306,7 @@ def check_lengths(query, key_cache, cu_q_lens, kv_lens, block_table,
     return safe_cu, safe_kv.to(kv_lens.dtype), safe_table, bad_rows
 
 
-def nan_rows(out: torch.Tensor, bad_rows: torch.Tensor | None) -> torch.Tensor:
-    """``out`` with the rows ``bad_rows`` marks (deferred checks' safe inputs) set to NaN, or to -1
-    in an index output, in place."""
-    if bad_rows is not None:
-        out.masked_fill_(bad_rows.reshape(-1, *([1] * (out.dim() - 1))), torch.nan if out.is_floating_point() else -1)
-    return out
+nan_rows = reference.nan_rows
 
 
 # full-mode checks skipped for a batch equal to the last that passed (a model's layers repeat one
@@ -441,12 +440,16 @@ def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, s
     heads, device = key_cache.shape[2], query.device
     k_scale, v_scale = _scales(scales["k_scale"], heads, device), _scales(scales["v_scale"], heads, device)
     if key is not None:
-        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
+        if slot_mapping.dtype != torch.int64:
+            slot_mapping = slot_mapping.to(torch.int64)
+        key, value, slot_mapping = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
         if checks.deferred:  # written first: deciding whether the attention may write it reads the block table
             backends.dispatch(WRITE_OP, kind, implementation, key, value, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale)
             key = value = slot_mapping = None
     into = {} if out is None or not out.is_contiguous() else {"out": out}
+    if bad_rows is not None:  # the backend makes them NaN (Triton's kernel does, sparing a launch)
+        into["bad_rows"] = bad_rows
     result = backends.dispatch(
         OP, kind, implementation, query.contiguous(), key_cache, value_cache,
         # a window past every int32 length is no window; kernels index positions in int32
@@ -457,7 +460,7 @@ def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, s
     if out is not None and result is not out:
         out.copy_(result)
         result = out
-    return nan_rows(result, bad_rows)
+    return result
 
 
 def _attention_kernel(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,

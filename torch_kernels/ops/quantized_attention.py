@@ -82,6 +82,7 @@ def check_options(*, granularity="per_block", pv_dtype="fp16", smooth_k=True, sm
         raise ValueError(f"pv_dtype: expected one of {PV_DTYPES}, got {pv_dtype!r}")
 
 
+@_checks.remembers_layouts
 def check_inputs(q, k, v, *, causal, sm_scale, granularity, pv_dtype, smooth_k, cu_seqlens_q, cu_seqlens_k,
                  smooth_q=True, layout="HND", names=("q", "k", "v")) -> None:
     """Types, shapes, dtypes, devices and options (no data read); errors name the argument."""

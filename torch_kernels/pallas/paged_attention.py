@@ -11,6 +11,7 @@ import torch
 
 from .. import _checks
 from ..ops import paged_attention as op
+from ..reference.paged_attention import nan_rows
 from .torch_tensors import FLOAT8_JAX_NAMES, check_cpu, to_jax, to_torch
 from .torchax_tensors import first_backend
 
@@ -49,7 +50,8 @@ def pallas_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k
 
 
 def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                                  sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None):
+                                  sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None,
+                                  bad_rows=None):
     check_cpu(query, key_cache)
     check_cache_dtype(key_cache)
     from jax_impl import paged_attention
@@ -62,7 +64,7 @@ def pallas_ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_l
     if new is not None:
         _store_slots(key_cache, new_k, slot_mapping)
         _store_slots(value_cache, new_v, slot_mapping)
-    return to_torch(attended)
+    return nan_rows(to_torch(attended), bad_rows)
 
 
 def torchax_implementations() -> dict:

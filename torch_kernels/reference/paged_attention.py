@@ -11,7 +11,9 @@ entries do not share memory, read and written in place, never copied into a new 
 - ``ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table,
   sm_scale, sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping)`` returns
   ``[T, Hq, D]`` in query's dtype; when ``key`` is not None it first writes ``key``/``value``
-  as ``reshape_and_cache`` does (a backend may fuse the two).
+  as ``reshape_and_cache`` does (a backend may fuse the two). Keyword ``bad_rows``, where given
+  (bool ``[T]``, the deferred checks' verdict on a bad sequence's rows), makes those rows' output
+  NaN (:func:`nan_rows`); every row then belongs to some sequence.
 
 Numbers: a cache entry means ``float32(entry) * scale[kv_head]``; storing divides by the scale
 and rounds to the cache dtype (int8: round half to even and saturate; fp8: saturate to the
@@ -160,8 +162,17 @@ def ragged_paged_attention_naive(query, key_cache, value_cache, cu_q_lens, kv_le
     return out.to(query.dtype)
 
 
+def nan_rows(out: torch.Tensor, bad_rows: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with the rows ``bad_rows`` marks (the deferred checks' verdict) set to NaN, or to -1
+    in an index output, in place; unchanged for None."""
+    if bad_rows is not None:
+        out.masked_fill_(bad_rows.reshape(-1, *([1] * (out.dim() - 1))), torch.nan if out.is_floating_point() else -1)
+    return out
+
+
 def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, sm_scale,
-                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None):
+                           sliding_window, soft_cap, k_scale, v_scale, key, value, slot_mapping, out=None,
+                           bad_rows=None):
     """The reference backend's kernel and the CPU default.
 
     Each sequence's query rows are cut into units of at most ``_MAX_Q_TILE`` rows; a unit reads
@@ -181,7 +192,7 @@ def ragged_paged_attention(query, key_cache, value_cache, cu_q_lens, kv_lens, bl
     caches = (key_cache, value_cache, _paired(key_cache, value_cache))
     for group in _plan(query, key_cache, cu_q_lens, kv_lens, block_table, sliding_window):
         _attend_group(out, query, caches, group, scales, soft_cap)
-    return out
+    return nan_rows(out, bad_rows)
 
 
 def _multipliers(sm_scale: float, k_scale, v_scale) -> tuple:

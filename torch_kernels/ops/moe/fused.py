@@ -21,6 +21,7 @@ backends.register(FUSED, "pallas", "torch_kernels.pallas.moe:pallas_fused_moe")
 backends.register(FUSED, "sycl", "oneapi_impl.moe:fused_moe")
 
 
+@_checks.remembers_layouts
 def _check_fused(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_shape) -> None:
     _checks.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     quantized = w13.dtype in FP8_DTYPES if isinstance(w13, torch.Tensor) else False

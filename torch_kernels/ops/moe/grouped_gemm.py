@@ -23,6 +23,7 @@ backends.register(WEIGHT_GRAD, "pallas", "torch_kernels.pallas.moe:pallas_groupe
 backends.register(WEIGHT_GRAD, "sycl", "oneapi_impl.moe:grouped_mm_weight_grad")
 
 
+@_checks.remembers_layouts
 def _check_grouped(x, w, offsets, out_dtype) -> None:
     _checks.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     _checks.tensor("w", w, ndim=3, dtypes=(x.dtype,))

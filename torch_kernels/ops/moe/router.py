@@ -20,6 +20,7 @@ backends.register(ROUTER, "sycl", "oneapi_impl.moe:router_topk")
 SCORINGS = ("softmax", "sigmoid")
 
 
+@_checks.remembers_layouts
 def _check_router(logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
                   routed_scaling_factor) -> None:
     _checks.tensor("logits", logits, ndim=2, dtypes=_checks.FLOAT_DTYPES)
