@@ -25,20 +25,6 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
-def _quick_xla_builds() -> None:
-    """Pallas interpret mode has XLA build each kernel for the CPU, the larger part of a Pallas
-    test's time; at LLVM's lowest optimisation level the builds are a fifth quicker (the Pallas
-    tests: 132 s -> 109 s) and every value stays within the tests' tolerances. Set before jax
-    starts its CPU backend; the tests' subprocesses inherit it."""
-    flag = "--xla_backend_optimization_level=0"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-
-
-_quick_xla_builds()
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (float32) and its tokenizer, loaded once per test process; the tests
