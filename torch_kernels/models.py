@@ -8,8 +8,8 @@ installed (it depends on llama-cpp-python, which compiles), and its GGUF file is
 
 ``TORCH_KERNELS_SMOLLM2`` names another copy of the GGUF file. Loading it needs the ``[test]``
 extra (transformers, gguf, accelerate); transformers dequantizes the weights. The first load
-keeps them as a plain float32 Hugging Face folder beside the file (:func:`hf_folder`, about 540
-MB), which later loads (and vLLM) read in seconds: transformers reads a GGUF file's metadata once
+keeps them as a plain float32 Hugging Face folder in the cache's ``models`` folder
+(:func:`hf_folder`, about 540 MB), which later loads (and vLLM) read in seconds: transformers reads a GGUF file's metadata once
 for the config, once for the tokenizer and once for the weights, about 45 s a load.
 """
 
