@@ -447,15 +447,15 @@ def _attention(query, key_cache, value_cache, cu_q_lens, kv_lens, block_table, s
             backends.dispatch(WRITE_OP, kind, implementation, key, value, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale)
             key = value = slot_mapping = None
-    into = {} if out is None or not out.is_contiguous() else {"out": out}
+    optional = {} if out is None or not out.is_contiguous() else {"out": out}
     if bad_rows is not None:  # the backend makes them NaN (Triton's kernel does, sparing a launch)
-        into["bad_rows"] = bad_rows
+        optional["bad_rows"] = bad_rows
     result = backends.dispatch(
         OP, kind, implementation, query.contiguous(), key_cache, value_cache,
         # a window past every int32 length is no window; kernels index positions in int32
         cu_q_lens.contiguous(), kv_lens.contiguous(), block_table.contiguous(), float(sm_scale),
         None if sliding_window is None or sliding_window >= 2**31 - 1 else sliding_window,
-        None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value, slot_mapping, **into,
+        None if soft_cap is None else float(soft_cap), k_scale, v_scale, key, value, slot_mapping, **optional,
     )
     if out is not None and result is not out:
         out.copy_(result)
